@@ -1,0 +1,54 @@
+"""outbox_dispatch: a transactional outbox that delivers through Celery.
+
+Write a row with ``Dispatcher.enqueue`` in the same transaction as your business change; the
+claimer moves due rows into Celery queues per family and workers deliver and settle them.
+"""
+
+from .delivery import Outcome
+from .dispatcher import Dispatcher, DrainReport
+from .errors import (
+    ConfigurationError,
+    DatabaseError,
+    DrainError,
+    DrainLoop,
+    DrainTimeout,
+    DuplicateRegistration,
+    InvalidArgument,
+    InvalidIdentifier,
+    InvalidPayload,
+    OutboxError,
+    PayloadTooLarge,
+    PermanentFailure,
+    SchemaNotReady,
+    UnknownCommand,
+    UnknownFamily,
+)
+from .handlers import Context
+from .policy import Backoff, Family, LostAttempt
+from .validation import Message
+
+__all__ = [
+    "Backoff",
+    "ConfigurationError",
+    "Context",
+    "DatabaseError",
+    "Dispatcher",
+    "DrainError",
+    "DrainLoop",
+    "DrainReport",
+    "DrainTimeout",
+    "DuplicateRegistration",
+    "Family",
+    "InvalidArgument",
+    "InvalidIdentifier",
+    "InvalidPayload",
+    "LostAttempt",
+    "Message",
+    "OutboxError",
+    "Outcome",
+    "PayloadTooLarge",
+    "PermanentFailure",
+    "SchemaNotReady",
+    "UnknownCommand",
+    "UnknownFamily",
+]

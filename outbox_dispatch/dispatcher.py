@@ -1,0 +1,302 @@
+"""The public entry point: families, handlers, enqueue, Celery wiring and drain."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery import Celery
+
+from . import wiring
+from .claimer import Claimer, ClaimReport, message_options
+from .delivery import Delivery, Outcome, Result, parse_message
+from .errors import ConfigurationError, DrainLoop, DrainTimeout, InvalidArgument, UnknownFamily
+from .handlers import HandlerFn, Registration, Registry
+from .logs import event
+from .migrations import migrate
+from .naming import family_name, identifier
+from .policy import Backoff, Family, LostAttempt, builtin_families
+from .store import Claimed, Conn, FamilyStatus, Store
+from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, prepare
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DrainReport:
+    """What a drain did, by outcome."""
+
+    outcomes: dict[str, int] = field(default_factory=dict)
+    rounds: int = 0
+
+    def count(self, outcome: Outcome) -> int:
+        return self.outcomes.get(outcome.value, 0)
+
+    @property
+    def delivered(self) -> int:
+        return self.count(Outcome.DELIVERED)
+
+
+class Dispatcher:
+    """Wires the outbox into a Celery app. Nothing connects until it is used, so building one at
+    import time (as Celery apps are) opens no sockets."""
+
+    def __init__(
+        self,
+        app: Celery,
+        *,
+        database_url: str,
+        redis_url: str | None = None,
+        schema: str = "outbox",
+        queue_prefix: str = "outbox",
+        claim_interval: float = 1.0,
+        claim_batch: int = 500,
+        payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
+        pool_size: int = 4,
+    ) -> None:
+        if not database_url:
+            raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
+        if claim_interval <= 0:
+            raise ConfigurationError("claim_interval must be > 0 seconds")
+        if claim_batch < 1:
+            raise ConfigurationError("claim_batch must be >= 1")
+        if payload_limit < 2:
+            raise ConfigurationError("payload_limit must be at least 2 bytes")
+        self.app = app
+        self.database_url = database_url
+        self.redis_url = redis_url
+        self.schema = identifier(schema, "schema")
+        self.queue_prefix = identifier(queue_prefix, "queue_prefix")
+        self.claim_interval = claim_interval
+        self.payload_limit = payload_limit
+        self.families: dict[str, Family] = builtin_families()
+        self.registry = Registry()
+        self.store = Store(database_url, self.schema, pool_size=pool_size)
+        self.claimer = Claimer(self.store, self.families, batch=claim_batch)
+        self.delivery = Delivery(self.store, self.registry, self.families)
+
+        wiring.write_settings(app)
+        self._deliver_task, self._claim_task = wiring.register_tasks(
+            app, self._deliver_from_queue, self.claim_and_publish
+        )
+        wiring.add_beat_entry(app, claim_interval, self.claim_queue)
+        wiring.on_configured(app, self._apply_queues)
+
+    # -- declaration ----------------------------------------------------------------------
+
+    @property
+    def claim_queue(self) -> str:
+        return f"{self.queue_prefix}.claim"
+
+    def queue_name(self, family: str) -> str:
+        return f"{self.queue_prefix}.{family}"
+
+    def family(
+        self,
+        name: str,
+        *,
+        max_attempts: int | None = 10,
+        backoff: Backoff | None = None,
+        lease: float = 60.0,
+        max_in_flight: int = 1000,
+        per_actor: int | None = None,
+        ordered: bool = False,
+        retention: float | timedelta = 0.0,
+        on_lost: str | LostAttempt = LostAttempt.RETRY,
+    ) -> Family:
+        """Declare a family (its own queue ``<prefix>.<name>``) or replace a family's policy."""
+        family_name(name)
+        try:
+            lost = LostAttempt(on_lost)
+        except ValueError as exc:
+            raise ConfigurationError(f"on_lost must be 'retry' or 'park', got {on_lost!r}") from exc
+        keep = retention.total_seconds() if isinstance(retention, timedelta) else float(retention)
+        fam = Family(
+            name,
+            max_attempts=max_attempts,
+            backoff=backoff or Backoff(),
+            lease=float(lease),
+            max_in_flight=max_in_flight,
+            per_actor=per_actor,
+            ordered=ordered,
+            retention=keep,
+            on_lost=lost,
+        )
+        self.families[name] = fam
+        if self.app.configured:
+            self._apply_queues()
+        return fam
+
+    def _apply_queues(self) -> None:
+        names = [self.claim_queue, *(self.queue_name(f) for f in self.families)]
+        wiring.apply_queues(self.app, names)
+
+    def handler(self, command: str, *, family: str = "intent") -> Callable[[HandlerFn], HandlerFn]:
+        """Register ``fn(ctx, payload)`` as the handler of ``command``."""
+
+        def decorate(fn: HandlerFn) -> HandlerFn:
+            self.registry.add(Registration(command, family, fn), set(self.families))
+            return fn
+
+        if not isinstance(command, str) or not command or len(command) > 200:
+            raise ConfigurationError(f"command must be a 1-200 character str, got {command!r}")
+        return decorate
+
+    def declare(self, command: str, *, family: str = "intent") -> None:
+        """Let a producer enqueue ``command`` without running it (its handler lives elsewhere)."""
+        if not isinstance(command, str) or not command or len(command) > 200:
+            raise ConfigurationError(f"command must be a 1-200 character str, got {command!r}")
+        self.registry.add(Registration(command, family, None), set(self.families))
+
+    # -- enqueue --------------------------------------------------------------------------
+
+    def _prepare(
+        self,
+        command: str,
+        payload: Any,
+        actor: object,
+        dedupe_key: object,
+        delay: object,
+        at: object,
+    ) -> PreparedRow:
+        fam = self.registry.family_of(command)
+        if fam not in self.families:
+            raise UnknownFamily(f"command {command!r} belongs to undeclared family {fam!r}")
+        return prepare(
+            family=fam,
+            command=command,
+            payload=payload,
+            actor=actor,
+            dedupe_key=dedupe_key,
+            delay=delay,
+            at=at,
+            payload_limit=self.payload_limit,
+        )
+
+    def enqueue(
+        self,
+        conn: Conn,
+        command: str,
+        payload: Any = None,
+        *,
+        actor: str | None = None,
+        dedupe_key: str | None = None,
+        delay: timedelta | None = None,
+        at: datetime | None = None,
+    ) -> int:
+        """Write one outbox row on the caller's connection, inside the caller's transaction.
+
+        Everything is validated before the row is written. With a dedupe key that already has a
+        row, nothing is written and that row's id is returned.
+        """
+        row = self._prepare(command, payload, actor, dedupe_key, delay, at)
+        return self.store.insert(_check_conn(conn), row)
+
+    def enqueue_many(self, conn: Conn, messages: Iterable[Message]) -> list[int]:
+        """Write a batch in one round trip; ids come back in input order. All or nothing is
+        validated before anything is written."""
+        rows = []
+        for m in messages:
+            if not isinstance(m, Message):
+                raise InvalidArgument(f"enqueue_many takes Message objects, got {type(m).__name__}")
+            rows.append(self._prepare(m.command, m.payload, m.actor, m.dedupe_key, m.delay, m.at))
+        return self.store.insert_many(_check_conn(conn), rows)
+
+    # -- claim, publish, deliver ----------------------------------------------------------
+
+    def publish(self, family: Family, rows: Sequence[Claimed]) -> None:
+        queue = self.queue_name(family.name)
+        with self.app.producer_or_acquire() as producer:
+            for row in rows:
+                self._deliver_task.apply_async(
+                    (row.id, str(row.token)),
+                    producer=producer,
+                    **message_options(family, row, queue),
+                )
+
+    def claim_and_publish(self) -> ClaimReport:
+        """One claimer pass (the beat task): claim each family's due rows and publish them."""
+        report = self.claimer.run(lambda f, rows: self.publish(f, rows), budget=self.claim_interval)
+        if report.total:
+            event(log, logging.INFO, "claim_pass", f"published {report.claimed}")
+        return report
+
+    def _deliver_from_queue(self, args: tuple[Any, ...], routing_key: str | None) -> Result:
+        prefix = self.queue_prefix + "."
+        hint = (
+            routing_key[len(prefix) :] if routing_key and routing_key.startswith(prefix) else None
+        )
+        pair = parse_message(args)
+        if pair is None:
+            return self.delivery.deliver_message(args)  # logs and drops the garbage
+        return self.delivery.deliver(*pair, family_hint=hint)
+
+    def drain(self, timeout: float = 30.0, *, max_rounds: int = 100) -> DrainReport:
+        """Claim and deliver in this process until nothing is due. For tests and scripts.
+
+        Raises DrainLoop when deliveries keep making new due work for ``max_rounds`` rounds that
+        each took every due row, and DrainTimeout when ``timeout`` seconds pass first.
+        """
+        report = DrainReport()
+        deadline = time.monotonic() + timeout
+        idle_rounds = 0
+        while True:
+            took_all = True
+            batch: list[tuple[Family, Claimed]] = []
+            for fam in list(self.families.values()):
+                result = self.claimer.claim_family(fam)
+                batch.extend((fam, c) for c in result.claimed)
+                _bump(report.outcomes, Outcome.PARKED.value, len(result.parked))
+                if result.limit == 0 or len(result.claimed) + len(result.parked) >= result.limit:
+                    took_all = False
+            if not batch and took_all:
+                return report
+            report.rounds += 1
+            if took_all:
+                idle_rounds += 1
+                if idle_rounds > max_rounds:
+                    raise DrainLoop(
+                        f"drain: deliveries kept staging due rows for {max_rounds} rounds "
+                        f"({report.outcomes}): a handler probably enqueues itself without end"
+                    )
+            for fam, claimed in batch:
+                res = self.delivery.deliver(claimed.id, claimed.token, family_hint=fam.name)
+                _bump(report.outcomes, res.outcome.value, 1)
+            if time.monotonic() > deadline:
+                raise DrainTimeout(
+                    f"drain: {timeout} s passed with rows still due ({report.outcomes}): "
+                    "raise the timeout or look for slow handlers"
+                )
+
+    # -- operations -----------------------------------------------------------------------
+
+    def migrate(self) -> list[int]:
+        return migrate(self.database_url, self.schema)
+
+    def status(self) -> list[FamilyStatus]:
+        seen = {s.family: s for s in self.store.status()}
+        out = [seen.pop(name, FamilyStatus(name, 0, 0, 0, 0, 0, 0, 0.0)) for name in self.families]
+        return out + list(seen.values())
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _check_conn(conn: object) -> Conn:
+    import psycopg
+
+    if not isinstance(conn, psycopg.Connection):
+        raise InvalidArgument(
+            f"enqueue needs the psycopg 3 Connection of your transaction, got "
+            f"{type(conn).__name__}: the row must commit with your business change"
+        )
+    return conn
+
+
+def _bump(counts: dict[str, int], key: str, n: int) -> None:
+    if n:
+        counts[key] = counts.get(key, 0) + n

@@ -1,0 +1,69 @@
+"""One error tree, so callers can catch ``OutboxError`` and know it came from us.
+
+Each class's docstring is its default message; messages say what the user can do.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """An outbox_dispatch error."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class ConfigurationError(OutboxError):
+    """The dispatcher is configured wrongly: check the arguments named in the message."""
+
+
+class InvalidIdentifier(ConfigurationError):
+    """A schema, family or key-prefix name is not a plain identifier (letters, digits, _)."""
+
+
+class UnknownFamily(OutboxError):
+    """No such family: declare it with dispatcher.family(name, ...) first."""
+
+
+class UnknownCommand(OutboxError):
+    """No handler or declaration for this command: register it with @dispatcher.handler."""
+
+
+class DuplicateRegistration(ConfigurationError):
+    """This command is registered twice: each command has exactly one handler."""
+
+
+class InvalidPayload(OutboxError):
+    """The payload cannot be stored: it must be JSON-serializable (dicts, lists, str, numbers)."""
+
+
+class PayloadTooLarge(InvalidPayload):
+    """The payload is over the size limit: store the bulk elsewhere and enqueue a reference."""
+
+
+class InvalidArgument(OutboxError):
+    """An enqueue argument has the wrong type or value: see the message for which one."""
+
+
+class SchemaNotReady(OutboxError):
+    """The outbox schema is missing or behind: run `outbox-dispatch migrate`."""
+
+
+class DatabaseError(OutboxError):
+    """Postgres failed the request: check that it is reachable and the schema is migrated."""
+
+
+class DrainError(OutboxError):
+    """drain() could not empty the outbox."""
+
+
+class DrainTimeout(DrainError):
+    """drain() ran out of time with rows still due: raise the timeout or look for slow handlers."""
+
+
+class DrainLoop(DrainError):
+    """Deliveries keep staging new due work: a handler probably enqueues itself without end."""
+
+
+class PermanentFailure(OutboxError):
+    """Raised by a handler to park its row at once: retrying would not help."""

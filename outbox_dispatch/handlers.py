@@ -1,0 +1,95 @@
+"""Handlers, the registry that maps commands to them, and the context a handler receives."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import DuplicateRegistration, UnknownCommand, UnknownFamily
+
+HandlerFn = Callable[["Context", Any], Any]
+
+
+@dataclass
+class Context:
+    """What a handler knows about the attempt it runs.
+
+    ``idempotency_key`` is stable across attempts of the same row: pass it to providers that
+    deduplicate (payment APIs, mail services). ``maybe_applied`` is true when an earlier attempt
+    ended without an outcome and may have taken effect.
+    """
+
+    row_id: int
+    family: str
+    command: str
+    actor: str | None
+    attempt: int
+    idempotency_key: str
+    maybe_applied: bool
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    _renew: Callable[[], bool] | None = field(default=None, repr=False)
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set()
+
+    def heartbeat(self) -> bool:
+        """Extend this attempt's lease now; False (and the cancellation flag) if it was lost."""
+        if self._renew is None:
+            return not self.cancelled.is_set()
+        alive = self._renew()
+        if not alive:
+            self.cancelled.set()
+        return alive
+
+
+@dataclass(frozen=True)
+class Registration:
+    command: str
+    family: str
+    fn: HandlerFn | None  # None: declared by a producer that does not deliver it
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._by_command: dict[str, Registration] = {}
+
+    def add(self, reg: Registration, known_families: set[str]) -> None:
+        if reg.family not in known_families:
+            raise UnknownFamily(
+                f"command {reg.command!r} names family {reg.family!r}, which is not declared: "
+                f"known families are {sorted(known_families)}; add it with dispatcher.family()"
+            )
+        existing = self._by_command.get(reg.command)
+        if existing is not None:
+            if existing.fn is None and reg.fn is not None and existing.family == reg.family:
+                self._by_command[reg.command] = reg  # a declaration upgraded to a handler
+                return
+            if existing == reg:
+                return
+            raise DuplicateRegistration(
+                f"command {reg.command!r} is already registered (family {existing.family!r}): "
+                "give each command one handler"
+            )
+        self._by_command[reg.command] = reg
+
+    def family_of(self, command: object) -> str:
+        if not isinstance(command, str) or not command:
+            raise UnknownCommand(f"command must be a non-empty str, got {command!r}")
+        reg = self._by_command.get(command)
+        if reg is None:
+            raise UnknownCommand(
+                f"unknown command {command!r}: register a handler with "
+                f"@dispatcher.handler({command!r}) or, in a producer that does not run it, "
+                f"dispatcher.declare({command!r}, family=...)"
+            )
+        return reg.family
+
+    def handler(self, command: str) -> HandlerFn | None:
+        reg = self._by_command.get(command)
+        return reg.fn if reg else None
+
+    def commands(self) -> list[Registration]:
+        return list(self._by_command.values())

@@ -1,0 +1,67 @@
+"""Applies the versioned SQL files under an advisory lock, so concurrent deploys are safe."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import psycopg
+
+from .naming import quoted
+from .sqlfiles import migration_sql, migrations
+
+log = logging.getLogger(__name__)
+
+# Session-level lock id shared by every schema: migrations are rare and short.
+_LOCK_SQL = "SELECT pg_advisory_lock(hashtext('outbox_dispatch.migrate'))"
+_UNLOCK_SQL = "SELECT pg_advisory_unlock(hashtext('outbox_dispatch.migrate'))"
+
+
+def latest_version() -> int:
+    return migrations()[-1].version
+
+
+def applied_versions(conn: psycopg.Connection[Any], schema: str) -> set[int]:
+    exists = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", (f"{quoted(schema)}.outbox_migrations",)
+    ).fetchone()
+    if not exists or not exists[0]:
+        return set()
+    rows = conn.execute(f"SELECT version FROM {quoted(schema)}.outbox_migrations").fetchall()
+    return {int(r[0]) for r in rows}
+
+
+def migrate(database_url: str, schema: str) -> list[int]:
+    """Apply pending migrations; return the versions applied (empty when up to date)."""
+    target = quoted(schema)
+    applied_now: list[int] = []
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(_LOCK_SQL)
+        try:
+            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {target}")
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {target}.outbox_migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = applied_versions(conn, schema)
+            for migration in migrations():
+                if migration.version in done:
+                    continue
+                with conn.transaction():
+                    conn.execute(migration_sql(migration, schema).encode())
+                    conn.execute(
+                        f"INSERT INTO {target}.outbox_migrations (version, name) VALUES (%s, %s)",
+                        (migration.version, migration.name),
+                    )
+                log.info(
+                    "migration %04d_%s applied to schema %s",
+                    migration.version,
+                    migration.name,
+                    schema,
+                    extra={"action": "migrate", "version": migration.version, "schema": schema},
+                )
+                applied_now.append(migration.version)
+        finally:
+            conn.execute(_UNLOCK_SQL)
+    return applied_now

@@ -1,0 +1,132 @@
+"""Family policies and the pure decisions made from them (no I/O here).
+
+Keeping backoff and retry-or-park pure lets them be tested exhaustively and cheaply.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from .errors import ConfigurationError
+from .naming import family_name
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Capped exponential backoff with jitter: delay(n) = min(cap, base * 2**(n-1)), jittered."""
+
+    base: float = 1.0
+    cap: float = 300.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not (self.base > 0 and math.isfinite(self.base)):
+            raise ConfigurationError(f"backoff base must be a positive number, got {self.base!r}")
+        if not (self.cap >= self.base and math.isfinite(self.cap)):
+            raise ConfigurationError(f"backoff cap must be >= base, got {self.cap!r}")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ConfigurationError(f"backoff jitter must be in [0, 1], got {self.jitter!r}")
+
+    def delay(self, attempts: int, rand: float) -> float:
+        """Seconds to wait after the ``attempts``-th failed attempt; ``rand`` is uniform in [0, 1).
+
+        Jitter only shortens the delay, so the cap is a real upper bound.
+        """
+        exponent = min(max(attempts, 1) - 1, 64)
+        raw = min(self.cap, self.base * (2.0**exponent))
+        return raw * (1.0 - self.jitter * rand)
+
+
+class LostAttempt(StrEnum):
+    """What an attempt that ended without an outcome (process killed, lease lost) leads to."""
+
+    RETRY = "retry"
+    PARK = "park"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A named kind of work with its own Celery queue and delivery policy."""
+
+    name: str
+    max_attempts: int | None = 10
+    backoff: Backoff = field(default_factory=Backoff)
+    lease: float = 60.0
+    max_in_flight: int = 1000
+    per_actor: int | None = None
+    ordered: bool = False
+    retention: float = 0.0
+    on_lost: LostAttempt = LostAttempt.RETRY
+
+    def __post_init__(self) -> None:
+        family_name(self.name)
+        if self.max_attempts is not None and (
+            not isinstance(self.max_attempts, int) or self.max_attempts < 1
+        ):
+            raise ConfigurationError(
+                f"family {self.name!r}: max_attempts must be None (retry forever) or >= 1"
+            )
+        if not (self.lease >= 1.0 and math.isfinite(self.lease)):
+            raise ConfigurationError(f"family {self.name!r}: lease must be >= 1 second")
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ConfigurationError(f"family {self.name!r}: max_in_flight must be >= 1")
+        if self.per_actor is not None and (
+            not isinstance(self.per_actor, int) or self.per_actor < 1
+        ):
+            raise ConfigurationError(f"family {self.name!r}: per_actor must be None or >= 1")
+        if self.retention < 0:
+            raise ConfigurationError(f"family {self.name!r}: retention must be >= 0 seconds")
+
+    def with_policy(self, **changes: object) -> Family:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def builtin_families() -> dict[str, Family]:
+    """``intent``: messages between services, retried forever on a short lease.
+    ``job``: bounded work with a longer lease, the family that caps apply to.
+    """
+    return {
+        "intent": Family(
+            "intent",
+            max_attempts=None,
+            backoff=Backoff(base=1.0, cap=300.0),
+            lease=30.0,
+            max_in_flight=2000,
+        ),
+        "job": Family(
+            "job",
+            max_attempts=5,
+            backoff=Backoff(base=2.0, cap=600.0),
+            lease=300.0,
+            max_in_flight=500,
+        ),
+    }
+
+
+class Verdict(StrEnum):
+    RETRY = "retry"
+    PARK = "park"
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    verdict: Verdict
+    delay: float = 0.0
+
+
+def decide_failure(
+    family: Family, attempts: int, rand: float, *, permanent: bool = False
+) -> FailureDecision:
+    """After a failed attempt: park if the failure is permanent or attempts ran out, else retry."""
+    if permanent:
+        return FailureDecision(Verdict.PARK)
+    if family.max_attempts is not None and attempts >= family.max_attempts:
+        return FailureDecision(Verdict.PARK)
+    return FailureDecision(Verdict.RETRY, family.backoff.delay(attempts, rand))
+
+
+def claim_limit(batch: int, max_in_flight: int, in_flight: int) -> int:
+    """How many rows a claim may take: never more than the family can have in flight."""
+    return max(0, min(batch, max_in_flight - in_flight))

@@ -1,0 +1,318 @@
+"""Every query the dispatcher runs, over one psycopg connection pool (enqueue aside).
+
+Driver errors are translated here, once, into the outbox error tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from .errors import DatabaseError, SchemaNotReady
+from .sqlfiles import queries_for
+from .validation import PreparedRow
+
+log = logging.getLogger(__name__)
+
+Conn = psycopg.Connection[Any]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A row leased by a claim, as the claimer publishes it."""
+
+    id: int
+    token: UUID
+    command: str
+    actor: str | None
+    attempts: int
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    family: str
+    claimed: list[Claimed]
+    parked: list[int]
+    limit: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """A row whose delivery began: its token held, its lease was renewed, its payload loaded."""
+
+    id: int
+    token: UUID
+    family: str
+    command: str
+    actor: str | None
+    payload: Any
+    attempts: int
+    maybe_applied: bool
+    dedupe_key: str | None
+
+
+@dataclass(frozen=True)
+class FamilyStatus:
+    family: str
+    due: int
+    scheduled: int
+    in_flight: int
+    parked: int
+    cancelled: int
+    done: int
+    oldest_due_age: float
+
+
+@contextmanager
+def translated(action: str) -> Iterator[None]:
+    """Turn driver errors into ours, keeping the cause for the traceback."""
+    try:
+        yield
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaNotReady(
+            f"{action}: outbox table not found ({exc.diag.message_primary}): "
+            "run `outbox-dispatch migrate`"
+        ) from exc
+    except psycopg.Error as exc:
+        raise DatabaseError(f"{action} failed: {exc}") from exc
+
+
+class Store:
+    """Named queries for one schema. The pool is opened lazily and rebuilt after a fork,
+    because Celery's prefork children must not share their parent's sockets."""
+
+    def __init__(self, database_url: str, schema: str, *, pool_size: int = 4) -> None:
+        self.database_url = database_url
+        self.schema = schema
+        self.q = queries_for(schema)
+        self._pool_size = pool_size
+        self._pool: ConnectionPool | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _get_pool(self) -> ConnectionPool:
+        pid = os.getpid()
+        if self._pool is None or self._pid != pid:
+            with self._lock:
+                if self._pool is None or self._pid != pid:
+                    self._pool = ConnectionPool(
+                        self.database_url,
+                        min_size=1,
+                        max_size=self._pool_size,
+                        kwargs={"autocommit": True},
+                        open=True,
+                        name=f"outbox-{self.schema}",
+                    )
+                    self._pid = pid
+        return self._pool
+
+    @contextmanager
+    def connection(self) -> Iterator[Conn]:
+        with self._get_pool().connection() as conn:
+            yield conn
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None and self._pid == os.getpid():
+                self._pool.close()
+            self._pool = None
+
+    # -- enqueue (on the caller's connection) -----------------------------------------------
+
+    def insert(self, conn: Conn, row: PreparedRow) -> int:
+        params = _insert_params(row)
+        with translated("enqueue"):
+            found = conn.execute(self.q["insert"], params).fetchone()
+            if found is not None:
+                return int(found[0])
+            again = conn.execute(self.q["find_dedupe"], params).fetchone()
+        if again is None:  # the holder of the key was deleted between the two statements
+            raise DatabaseError("enqueue raced with the deletion of its dedupe key's row: retry")
+        return int(again[0])
+
+    def insert_many(self, conn: Conn, rows: Sequence[PreparedRow]) -> list[int]:
+        """One pipelined round trip for the inserts; dedupe hits are resolved after."""
+        if not rows:
+            return []
+        params = [_insert_params(r) for r in rows]
+        ids: list[int | None] = []
+        with translated("enqueue_many"), conn.cursor() as cur:
+            cur.executemany(self.q["insert"], params, returning=True)
+            while True:
+                got = cur.fetchone()
+                ids.append(int(got[0]) if got is not None else None)
+                if not cur.nextset():
+                    break
+            for i, value in enumerate(ids):
+                if value is None:
+                    found = conn.execute(self.q["find_dedupe"], params[i]).fetchone()
+                    if found is None:
+                        raise DatabaseError(
+                            "enqueue_many raced with a dedupe row's deletion: retry"
+                        )
+                    ids[i] = int(found[0])
+        return [int(i) for i in ids if i is not None]
+
+    # -- claim ----------------------------------------------------------------------------
+
+    def claim(
+        self,
+        *,
+        family: str,
+        batch: int,
+        lease: float,
+        max_in_flight: int,
+        max_attempts: int | None,
+        park_lost: bool,
+    ) -> ClaimResult:
+        from .policy import claim_limit
+
+        with translated(f"claim of family {family}"), self.connection() as conn, conn.transaction():
+            conn.execute(self.q["lock_family"], {"lock_name": f"{self.schema}.claim.{family}"})
+            row = conn.execute(self.q["in_flight"], {"family": family}).fetchone()
+            in_flight = int(row[0]) if row else 0
+            limit = claim_limit(batch, max_in_flight, in_flight)
+            if limit == 0:
+                return ClaimResult(family, [], [], 0)
+            rows = conn.execute(
+                self.q["claim"],
+                {
+                    "family": family,
+                    "limit": limit,
+                    "lease": lease,
+                    "max_attempts": max_attempts,
+                    "park_lost": park_lost,
+                },
+            ).fetchall()
+        claimed: list[Claimed] = []
+        parked: list[int] = []
+        for rid, token, command, actor, attempts, exhausted, _error in rows:
+            if exhausted:
+                parked.append(int(rid))
+            else:
+                claimed.append(Claimed(int(rid), token, command, actor, int(attempts)))
+        claimed.sort(key=lambda c: c.id)
+        return ClaimResult(family, claimed, parked, limit)
+
+    # -- delivery -------------------------------------------------------------------------
+
+    def begin(self, row_id: int, token: UUID, lease: float) -> Started | None:
+        with translated("delivery start"), self.connection() as conn:
+            row = conn.execute(
+                self.q["begin"], {"id": row_id, "token": token, "lease": lease}
+            ).fetchone()
+        if row is None:
+            return None
+        family, command, actor, payload, attempts, maybe_applied, dedupe_key = row
+        return Started(
+            row_id,
+            token,
+            family,
+            command,
+            actor,
+            payload,
+            int(attempts),
+            bool(maybe_applied),
+            dedupe_key,
+        )
+
+    def why_stale(self, row_id: int, token: UUID) -> str:
+        with translated("stale check"), self.connection() as conn:
+            row = conn.execute(self.q["explain_stale"], {"id": row_id, "token": token}).fetchone()
+        if row is None:
+            return "row is gone (settled, purged or never existed)"
+        same_token, started, lapsed = row
+        if not same_token:
+            return "claim token is not the row's current one (row was re-claimed or settled)"
+        if started:
+            return "attempt already started (redelivered message); the lease decides"
+        if lapsed:
+            return "lease ran out before delivery began; the row will be claimed again"
+        return "row is not deliverable"
+
+    def renew(self, row_id: int, token: UUID, lease: float) -> bool:
+        with translated("lease renewal"), self.connection() as conn:
+            row = conn.execute(
+                self.q["renew"], {"id": row_id, "token": token, "lease": lease}
+            ).fetchone()
+        return row is not None
+
+    def settle(
+        self,
+        kind: str,
+        row_id: int,
+        token: UUID,
+        *,
+        delay: float = 0.0,
+        error: str | None = None,
+        conn: Conn | None = None,
+    ) -> bool:
+        """Settle fenced by the token; False means another claim owns the row now."""
+        params = {"id": row_id, "token": token, "delay": delay, "error": error}
+        query = self.q[f"settle_{kind}"]
+        with translated(f"settle ({kind})"):
+            if conn is not None:
+                return conn.execute(query, params).fetchone() is not None
+            with self.connection() as own:
+                return own.execute(query, params).fetchone() is not None
+
+    # -- operations -----------------------------------------------------------------------
+
+    def status(self) -> list[FamilyStatus]:
+        with translated("status"), self.connection() as conn:
+            rows = conn.execute(self.q["status"]).fetchall()
+        return [
+            FamilyStatus(
+                family=r[0],
+                due=int(r[1]),
+                scheduled=int(r[2]),
+                in_flight=int(r[3]),
+                parked=int(r[4]),
+                cancelled=int(r[5]),
+                done=int(r[6]),
+                oldest_due_age=float(r[7]),
+            )
+            for r in rows
+        ]
+
+    def parked_list(self, *, family: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        with (
+            translated("parked list"),
+            self.connection() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return cur.execute(self.q["parked_list"], {"family": family, "limit": limit}).fetchall()
+
+    def parked_retry(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
+        with translated("parked retry"), self.connection() as conn:
+            rows = conn.execute(self.q["parked_retry"], {"ids": ids, "family": family}).fetchall()
+        return sorted(int(r[0]) for r in rows)
+
+    def parked_purge(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
+        with translated("parked purge"), self.connection() as conn:
+            rows = conn.execute(self.q["parked_purge"], {"ids": ids, "family": family}).fetchall()
+        return sorted(int(r[0]) for r in rows)
+
+
+def _insert_params(row: PreparedRow) -> dict[str, Any]:
+    return {
+        "family": row.family,
+        "command": row.command,
+        "actor": row.actor,
+        "payload": row.payload_json,
+        "dedupe_key": row.dedupe_key,
+        "delay": row.delay_seconds,
+        "at": row.at,
+    }

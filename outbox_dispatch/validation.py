@@ -1,0 +1,140 @@
+"""Checks every enqueue argument before anything touches the caller's transaction.
+
+Pure: no I/O, so a bad call fails the same way whether or not Postgres is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from .errors import InvalidArgument, InvalidPayload, PayloadTooLarge
+
+MAX_KEY_LENGTH = 512
+DEFAULT_PAYLOAD_LIMIT = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Message:
+    """One request for ``enqueue_many``; the same fields ``enqueue`` takes."""
+
+    command: str
+    payload: Any = None
+    actor: str | None = None
+    dedupe_key: str | None = None
+    delay: timedelta | None = None
+    at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    """A validated row: JSON already encoded, due time as a delay or an absolute instant."""
+
+    family: str
+    command: str
+    actor: str | None
+    payload_json: str
+    dedupe_key: str | None
+    delay_seconds: float
+    at: datetime | None
+
+
+def _reject_non_finite(value: str) -> Any:
+    raise InvalidPayload(f"payload contains {value}, which JSON cannot represent")
+
+
+def encode_payload(payload: Any, limit: int) -> str:
+    """JSON text of the payload; rejects NaN/Infinity and non-string keys instead of coercing."""
+    try:
+        text = json.dumps(payload, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidPayload(
+            f"payload is not JSON-serializable ({exc}): pass dicts, lists, str, int, float, "
+            "bool or None, and convert other types (dates, Decimals, objects) yourself"
+        ) from exc
+    # json.dumps silently turns int/float/bool/None dict keys into strings; the handler
+    # would then see different keys than were enqueued, so refuse them.
+    _check_keys(payload)
+    size = len(text.encode("utf-8"))
+    if size > limit:
+        raise PayloadTooLarge(
+            f"payload is {size} bytes, over the {limit}-byte limit: store the bulk elsewhere "
+            "(a table, object storage) and enqueue a reference, or raise payload_limit"
+        )
+    if "\x00" in text:
+        raise InvalidPayload("payload contains a NUL character, which Postgres jsonb cannot store")
+    return text
+
+
+def _check_keys(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            for key, sub in item.items():
+                if not isinstance(key, str):
+                    raise InvalidPayload(
+                        f"payload has a non-string key {key!r}: JSON object keys must be str"
+                    )
+                stack.append(sub)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+
+
+def _optional_key(value: object, what: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str or None, got {type(value).__name__}")
+    if not value or len(value) > MAX_KEY_LENGTH:
+        raise InvalidArgument(f"{what} must be 1-{MAX_KEY_LENGTH} characters, got {len(value)}")
+    if "\x00" in value:
+        raise InvalidArgument(f"{what} must not contain NUL characters")
+    return value
+
+
+def due_offset(delay: object, at: object) -> tuple[float, datetime | None]:
+    """Seconds from the database's now, or an absolute aware instant; never both."""
+    if delay is not None and at is not None:
+        raise InvalidArgument("pass either delay or at, not both")
+    if delay is not None:
+        if not isinstance(delay, timedelta):
+            raise InvalidArgument(f"delay must be a timedelta, got {type(delay).__name__}")
+        seconds = delay.total_seconds()
+        if seconds < 0 or not math.isfinite(seconds):
+            raise InvalidArgument(f"delay must not be negative, got {delay}")
+        return seconds, None
+    if at is not None:
+        if not isinstance(at, datetime):
+            raise InvalidArgument(f"at must be a datetime, got {type(at).__name__}")
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise InvalidArgument("at must be timezone-aware (for example datetime.now(UTC))")
+        return 0.0, at
+    return 0.0, None
+
+
+def prepare(
+    *,
+    family: str,
+    command: str,
+    payload: Any,
+    actor: object,
+    dedupe_key: object,
+    delay: object,
+    at: object,
+    payload_limit: int,
+) -> PreparedRow:
+    seconds, instant = due_offset(delay, at)
+    return PreparedRow(
+        family=family,
+        command=command,
+        actor=_optional_key(actor, "actor"),
+        payload_json=encode_payload(payload, payload_limit),
+        dedupe_key=_optional_key(dedupe_key, "dedupe_key"),
+        delay_seconds=seconds,
+        at=instant,
+    )

@@ -1,0 +1,99 @@
+"""Celery wiring in one place: tasks, queues, the claimer's beat entry, safe serialization.
+
+Settings are written without being read first, because reading ``app.conf`` finalizes the
+configuration before the user has loaded theirs; what must be merged with user settings
+(queues) is done when Celery finishes configuring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from celery import Celery
+from kombu.entity import Queue
+
+DELIVER_TASK = "outbox.deliver"
+CLAIM_TASK = "outbox.claim"
+CLAIM_ENTRY = "outbox-dispatch claimer"
+
+
+def write_settings(app: Celery) -> None:
+    conf = app.conf
+    # JSON only: nothing is ever unpickled, by our tasks or anyone else's on this app.
+    conf["task_serializer"] = "json"
+    conf["result_serializer"] = "json"
+    conf["accept_content"] = ["json"]
+    conf["result_accept_content"] = ["json"]
+    conf["event_serializer"] = "json"
+    # One message reserved per pool process: a prefetched message waits while its lease runs.
+    conf.setdefault("worker_prefetch_multiplier", 1)
+    conf.setdefault("broker_connection_retry_on_startup", True)
+
+
+def register_tasks(
+    app: Celery,
+    deliver: Callable[[tuple[Any, ...], str | None], object],
+    claim: Callable[[], object],
+) -> tuple[Any, Any]:
+    """The delivery task takes raw args so a garbage message reaches our check, not a TypeError."""
+
+    @app.task(  # type: ignore[untyped-decorator]
+        name=DELIVER_TASK,
+        bind=True,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        ignore_result=True,
+        typing=False,
+    )
+    def deliver_task(self: Any, *args: Any, **_kwargs: Any) -> None:
+        info = getattr(self.request, "delivery_info", None) or {}
+        deliver(args, info.get("routing_key"))
+
+    @app.task(name=CLAIM_TASK, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
+    def claim_task() -> None:
+        claim()
+
+    return deliver_task, claim_task
+
+
+def add_beat_entry(app: Celery, interval: float, claim_queue: str) -> None:
+    # expires: a claim that could not start within one interval is superseded by the next one,
+    # so a stalled worker does not find a pile of claim messages when it comes back.
+    app.add_periodic_task(
+        interval,
+        app.signature(CLAIM_TASK),
+        name=CLAIM_ENTRY,
+        expires=max(interval, 0.5),
+        queue=claim_queue,
+    )
+
+
+def apply_queues(app: Celery, names: Iterable[str]) -> None:
+    """Merge our queues into ``task_queues`` (keeping the default queue and the user's)."""
+    conf = app.conf
+    existing = list(conf.task_queues or [])
+    if not existing:
+        default = conf.task_default_queue or "celery"
+        existing = [Queue(default, routing_key=default)]
+    have = {q.name for q in existing}
+    added = [Queue(n, routing_key=n) for n in names if n not in have]
+    conf.task_queues = [*existing, *added]
+    amqp = app.__dict__.get("amqp")
+    # Once the worker built its queue table, new families must be added there too.
+    if amqp is not None and "queues" in amqp.__dict__:
+        for q in added:
+            amqp.queues.add(q)
+
+
+def on_configured(app: Celery, fn: Callable[[], None]) -> None:
+    """Run ``fn`` now if Celery is configured, else right after it finishes configuring."""
+    if app.configured:
+        fn()
+        return
+
+    def handler(sender: Celery, **_kw: Any) -> None:
+        if sender is app:
+            fn()
+
+    app.on_after_configure.connect(handler, weak=False)
