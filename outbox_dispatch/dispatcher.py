@@ -79,6 +79,7 @@ class Dispatcher:
         self.claimer = Claimer(self.store, self.families, batch=claim_batch)
         self.delivery = Delivery(self.store, self.registry, self.families)
 
+        app.outbox_dispatcher = self  # lets `--app proj:celery_app` find us, as celery -A does
         wiring.write_settings(app)
         self._deliver_task, self._claim_task = wiring.register_tasks(
             app, self._deliver_from_queue, self.claim_and_publish

@@ -56,30 +56,32 @@ def encode_payload(payload: Any, limit: int) -> str:
             f"payload is not JSON-serializable ({exc}): pass dicts, lists, str, int, float, "
             "bool or None, and convert other types (dates, Decimals, objects) yourself"
         ) from exc
-    # json.dumps silently turns int/float/bool/None dict keys into strings; the handler
-    # would then see different keys than were enqueued, so refuse them.
-    _check_keys(payload)
+    # json.dumps silently turns int/float/bool/None dict keys into strings (the handler would
+    # see other keys than were enqueued), and jsonb cannot store NUL: refuse both up front.
+    _check_structure(payload)
     size = len(text.encode("utf-8"))
     if size > limit:
         raise PayloadTooLarge(
             f"payload is {size} bytes, over the {limit}-byte limit: store the bulk elsewhere "
             "(a table, object storage) and enqueue a reference, or raise payload_limit"
         )
-    if "\x00" in text:
-        raise InvalidPayload("payload contains a NUL character, which Postgres jsonb cannot store")
     return text
 
 
-def _check_keys(value: Any) -> None:
+def _check_structure(value: Any) -> None:
     stack = [value]
     while stack:
         item = stack.pop()
-        if isinstance(item, Mapping):
+        if isinstance(item, str):
+            if "\x00" in item:
+                raise InvalidPayload("payload contains a NUL character, which jsonb cannot store")
+        elif isinstance(item, Mapping):
             for key, sub in item.items():
                 if not isinstance(key, str):
                     raise InvalidPayload(
                         f"payload has a non-string key {key!r}: JSON object keys must be str"
                     )
+                stack.append(key)
                 stack.append(sub)
         elif isinstance(item, list | tuple):
             stack.extend(item)

@@ -1,0 +1,1 @@
+"""Benchmarks: outbox delivery against plain Celery on the same broker and worker settings."""

@@ -1,0 +1,44 @@
+"""The benchmark's Celery app: a plain no-op task and a no-op outbox handler, both counting
+in Redis, so both sides do the same work per delivery."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery
+
+from outbox_dispatch import Context, Dispatcher
+
+DATABASE_URL = os.environ.get(
+    "OUTBOX_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+REDIS_URL = os.environ.get("OUTBOX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/6")
+SCHEMA = os.environ.get("OUTBOX_BENCH_SCHEMA", "outbox_bench")
+COUNTER = "outbox-bench:done"
+
+app = Celery("outbox_bench", broker=REDIS_URL)
+app.conf.update(task_ignore_result=True, worker_hijack_root_logger=False)
+dispatcher = Dispatcher(
+    app, database_url=DATABASE_URL, redis_url=REDIS_URL, schema=SCHEMA, claim_interval=0.2
+)
+_counter: redis.Redis | None = None
+_counter_pid = 0
+
+
+def bump() -> None:
+    global _counter, _counter_pid
+    if _counter is None or _counter_pid != os.getpid():
+        _counter, _counter_pid = redis.Redis.from_url(REDIS_URL), os.getpid()
+    _counter.incr(COUNTER)
+
+
+@app.task(name="bench.noop", ignore_result=True)  # type: ignore[untyped-decorator]
+def noop(n: int) -> None:
+    bump()
+
+
+@dispatcher.handler("bench.noop", family="intent")
+def outbox_noop(ctx: Context, payload: Any) -> None:
+    bump()

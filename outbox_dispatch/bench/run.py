@@ -1,0 +1,161 @@
+"""``scripts/bench``: per-row outbox throughput against plain Celery ``delay()``.
+
+Both runs use the same broker, the same worker command (prefork, same concurrency, prefetch 1)
+and handlers that do the same work (one Redis INCR). Figures are ratios from one run because
+this machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psycopg
+import redis
+
+from outbox_dispatch.cli import table
+from outbox_dispatch.validation import Message
+
+APP = "outbox_dispatch.bench.app"
+
+
+@dataclass
+class Figure:
+    scenario: str
+    rows: int
+    seconds: float
+
+    @property
+    def per_second(self) -> float:
+        return self.rows / self.seconds
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", APP, *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _wait_count(r: redis.Redis, key: str, target: int, label: str, timeout: float) -> float:
+    """Poll the done-counter until ``target``, printing progress; returns when it got there."""
+    t0 = time.monotonic()
+    last = 0.0
+    while True:
+        done = int(r.get(key) or 0)
+        now = time.monotonic()
+        if done >= target:
+            return now
+        if now - last >= 1.0:
+            last = now
+            print(f"  {label}: {done}/{target} ({now - t0:.1f}s)", flush=True)
+        if now - t0 > timeout:
+            raise RuntimeError(f"{label}: only {done}/{target} done after {timeout:.0f} s")
+        time.sleep(0.01)
+
+
+def _scenario(
+    name: str,
+    rows: int,
+    procs_args: list[list[str]],
+    produce: Callable[[int], None],
+    r: redis.Redis,
+    key: str,
+    logdir: Path,
+) -> Figure:
+    procs = [_spawn(a, logdir / f"{name}-{i}.log") for i, a in enumerate(procs_args)]
+    try:
+        r.set(key, 0)
+        produce(1)  # warm-up: the worker is up and connected when this one is done
+        _wait_count(r, key, 1, f"{name} warm-up", 60)
+        r.set(key, 0)
+        t0 = time.monotonic()
+        produce(rows)
+        t1 = _wait_count(r, key, rows, name, 600)
+        return Figure(name, rows, t1 - t0)
+    finally:
+        _stop(procs)
+
+
+def run_bench(rows: int = 5000, concurrency: int = 2, out: str = "bench-results") -> int:
+    from outbox_dispatch.bench import app as bench
+
+    r = redis.Redis.from_url(bench.REDIS_URL)
+    r.flushdb()  # the benchmark owns its Redis db
+    with psycopg.connect(bench.DATABASE_URL, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{bench.SCHEMA}" CASCADE')
+    bench.dispatcher.migrate()
+    logdir = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+    worker = ["worker", "-P", "prefork", "-c", str(concurrency), "--loglevel", "WARNING"]
+    print(
+        f"bench: {rows} no-op deliveries per scenario, worker prefork -c {concurrency}; "
+        f"logs in {logdir}"
+    )
+
+    def plain(n: int) -> None:
+        with bench.app.producer_or_acquire() as producer:
+            for i in range(n):
+                bench.noop.apply_async((i,), producer=producer)
+
+    def outbox(n: int) -> None:
+        with psycopg.connect(bench.DATABASE_URL) as conn:
+            for start in range(0, n, 1000):
+                with conn.transaction():
+                    bench.dispatcher.enqueue_many(
+                        conn,
+                        [
+                            Message("bench.noop", {"i": i})
+                            for i in range(start, min(n, start + 1000))
+                        ],
+                    )
+
+    beat = ["beat", "--loglevel", "WARNING", "-s", str(logdir / "beat-schedule")]
+    figures = [
+        _scenario("celery delay()", rows, [worker], plain, r, bench.COUNTER, logdir),
+        _scenario("outbox per-row", rows, [worker, beat], outbox, r, bench.COUNTER, logdir),
+    ]
+    bench.dispatcher.close()
+    base = figures[0].per_second
+    shown = [
+        {
+            "scenario": f.scenario,
+            "rows": f.rows,
+            "seconds": f"{f.seconds:.2f}",
+            "rows/s": f"{f.per_second:.0f}",
+            "ratio": f"{f.per_second / base:.2f}x",
+        }
+        for f in figures
+    ]
+    print()
+    print(table(shown, ["scenario", "rows", "seconds", "rows/s", "ratio"]))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    result = {"figures": [asdict(f) | {"per_second": f.per_second} for f in figures]}
+    (Path(out) / "bench.json").write_text(json.dumps(result, indent=2))
+    print(
+        f"\nbench: outbox per-row / plain Celery = {figures[1].per_second / base:.2f}x "
+        f"(written to {out}/bench.json)"
+    )
+    return 0

@@ -1,0 +1,205 @@
+"""``outbox-dispatch``: migrate, status, parked rows, demo, bench, worker and beat shortcuts.
+
+Human tables by default, ``--json`` for scripts. Errors print one line that says what to do,
+and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from .appload import load_dispatcher
+from .errors import OutboxError
+from .logs import mask_dsn
+from .migrations import migrate
+
+DB_ENV = "OUTBOX_DATABASE_URL"
+SCHEMA_ENV = "OUTBOX_SCHEMA"
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain aligned text table; values are shown with str()."""
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    if isinstance(value, datetime):
+        return value.isoformat(timespec="seconds")
+    text = str(value).replace("\n", " ")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def _emit(args: argparse.Namespace, data: Any, rendered: str) -> None:
+    if args.json:
+        print(json.dumps(data, default=_json_default, indent=2))
+    else:
+        print(rendered)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    if args.app or os.environ.get("OUTBOX_DISPATCH_APP"):
+        dispatcher, _ = load_dispatcher(args.app)
+        url, schema = dispatcher.database_url, dispatcher.schema
+    else:
+        url = args.database_url or os.environ.get(DB_ENV, "")
+        schema = args.schema or os.environ.get(SCHEMA_ENV, "outbox")
+        if not url:
+            raise OutboxError(f"migrate needs --app, or --database-url / {DB_ENV}")
+    applied = migrate(url, schema)
+    data = {"schema": schema, "applied": applied}
+    text = (
+        f"schema {schema}: applied migrations {applied}"
+        if applied
+        else f"schema {schema}: already up to date"
+    )
+    _emit(args, data, f"{text} ({mask_dsn(url)})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    dispatcher, _ = load_dispatcher(args.app)
+    rows = [dataclasses.asdict(s) for s in dispatcher.status()]
+    columns = ["family", "due", "scheduled", "in_flight", "parked", "cancelled", "done"]
+    shown = [{**r, "oldest_due_age": f"{r['oldest_due_age']:.1f}s"} for r in rows]
+    _emit(args, rows, table(shown, [*columns, "oldest_due_age"]))
+    return 0
+
+
+def cmd_parked(args: argparse.Namespace) -> int:
+    dispatcher, _ = load_dispatcher(args.app)
+    store = dispatcher.store
+    if args.parked_cmd == "list":
+        rows = store.parked_list(family=args.family, limit=args.limit)
+        columns = ["id", "family", "command", "actor", "attempts", "maybe_applied", "parked_at"]
+        text = table(rows, [*columns, "last_error"]) if rows else "no parked rows"
+        _emit(args, rows, text)
+        return 0
+    ids = args.ids or None
+    if not ids and not args.all:
+        raise OutboxError(f"parked {args.parked_cmd}: name row ids, or pass --all")
+    if args.parked_cmd == "retry":
+        done = store.parked_retry(ids=ids, family=args.family)
+        verb = "due again (attempts reset)"
+    else:
+        done = store.parked_purge(ids=ids, family=args.family)
+        verb = "deleted"
+    missing = sorted(set(ids or []) - set(done))
+    note = f"; not parked or not found: {missing}" if missing else ""
+    _emit(args, {"ids": done, "missing": missing}, f"{len(done)} parked rows {verb}{note}")
+    return 0
+
+
+def cmd_celery(args: argparse.Namespace) -> int:
+    """Run Celery's own worker or beat on the app's module: nothing new to learn."""
+    _, module = load_dispatcher(args.app)
+    argv = ["celery", "-A", module, args.command, *args.rest]
+    os.execvp("celery", argv)
+    return 0  # pragma: no cover
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo.run import run_demo
+
+    return run_demo(
+        rows=args.rows, workers=args.workers, timeout=args.timeout, external=args.external
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.run import run_bench
+
+    return run_bench(rows=args.rows, concurrency=args.concurrency, out=args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="outbox-dispatch", description=__doc__)
+    parser.add_argument(
+        "--app", "-A", help="module:attribute of your Dispatcher (or env OUTBOX_DISPATCH_APP)"
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("migrate", help="create or upgrade the outbox schema (safe to repeat)")
+    p.add_argument("--database-url", help=f"without --app (or env {DB_ENV})")
+    p.add_argument("--schema", help=f"without --app (or env {SCHEMA_ENV}; default outbox)")
+    p.set_defaults(fn=cmd_migrate)
+
+    p = sub.add_parser("status", help="per family: due, scheduled, in flight, parked, oldest due")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("parked", help="dead-lettered rows: list, retry, purge")
+    psub = p.add_subparsers(dest="parked_cmd", required=True)
+    for name, helptext in (
+        ("list", "show parked rows with their last error"),
+        ("retry", "make parked rows due again, attempts reset"),
+        ("purge", "delete parked rows"),
+    ):
+        q = psub.add_parser(name, help=helptext)
+        q.add_argument("--family")
+        if name == "list":
+            q.add_argument("--limit", type=int, default=100)
+        else:
+            q.add_argument("ids", nargs="*", type=int, help="row ids")
+            q.add_argument("--all", action="store_true", help="every parked row (of --family)")
+    p.set_defaults(fn=cmd_parked)
+
+    for name in ("worker", "beat"):
+        p = sub.add_parser(name, help=f"celery {name} on the app's module; extra args pass on")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(fn=cmd_celery)
+
+    p = sub.add_parser("demo", help="the demo: a real workload through worker and beat")
+    p.add_argument("--rows", type=int, default=3000)
+    p.add_argument("--workers", type=int, default=2, help="worker pool processes")
+    p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument(
+        "--external", action="store_true", help="use a running worker and beat (compose stack)"
+    )
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("bench", help="outbox throughput against plain Celery delay()")
+    p.add_argument("--rows", type=int, default=5000)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--out", default="bench-results")
+    p.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        return int(args.fn(args))
+    except OutboxError as exc:
+        print(f"outbox-dispatch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""An in-process Celery app, dispatcher and worker on the session's schema and key prefix.
+
+Test handlers record what they ran in ``Effects``; tests register their own commands under
+unique names through ``commands``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from outbox_dispatch import Backoff, Context, Dispatcher
+
+
+@dataclass
+class Effects:
+    """Handler calls seen in this process, thread-safe (the in-process worker uses threads)."""
+
+    calls: list[tuple[str, int, int, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, ctx: Context, payload: Any) -> None:
+        with self.lock:
+            self.calls.append((ctx.command, ctx.row_id, ctx.attempt, payload))
+
+    def rows(self, command: str) -> list[int]:
+        with self.lock:
+            return [r for c, r, _, _ in self.calls if c == command]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.calls.clear()
+
+
+@pytest.fixture(scope="session")
+def celery_app(redis_url: str, key_prefix: str) -> Celery:
+    app = Celery("outbox_tests", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        broker_transport_options={"global_keyprefix": key_prefix},
+        task_ignore_result=True,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+@pytest.fixture(scope="session")
+def dispatcher(
+    celery_app: Celery, database_url: str, redis_url: str, schema: str
+) -> Iterator[Dispatcher]:
+    d = Dispatcher(celery_app, database_url=database_url, redis_url=redis_url, schema=schema)
+    d.family("quick", max_attempts=3, lease=5, backoff=Backoff(base=0.05, cap=0.1, jitter=0.0))
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="session")
+def effects() -> Effects:
+    return Effects()
+
+
+@pytest.fixture
+def commands(dispatcher: Dispatcher, effects: Effects) -> Callable[..., str]:
+    """Register a fresh command: ``commands(family="quick", fn=...)`` returns its name."""
+
+    def make(family: str = "intent", fn: Callable[[Context, Any], Any] | None = None) -> str:
+        name = f"t.{uuid.uuid4().hex[:8]}"
+
+        def handler(ctx: Context, payload: Any) -> None:
+            effects.add(ctx, payload)
+            if fn is not None:
+                fn(ctx, payload)
+
+        dispatcher.handler(name, family=family)(handler)
+        return name
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def clean(database_url: str, schema: str, effects: Effects) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'TRUNCATE "{schema}".outbox')
+    effects.clear()
+
+
+@pytest.fixture(scope="session")
+def worker(celery_app: Celery, dispatcher: Dispatcher) -> Iterator[object]:
+    with start_worker(
+        celery_app,
+        pool="threads",
+        concurrency=4,
+        perform_ping_check=False,
+        loglevel="WARNING",
+        shutdown_timeout=20,
+    ) as w:
+        yield w
+
+
+@pytest.fixture
+def conn(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(database_url) as c:
+        yield c

@@ -1,0 +1,219 @@
+"""Delivery: retries with backoff, parking, stale and forged messages, lost attempts."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_dispatch import Context, Dispatcher, Outcome, PermanentFailure
+from outbox_dispatch.cli import main as cli_main
+from tests.conftest import count_rows
+
+from .conftest import Effects
+
+
+def _row(database_url: str, schema: str, row_id: int) -> dict[str, Any]:
+    with (
+        psycopg.connect(database_url) as conn,
+        conn.cursor(row_factory=psycopg.rows.dict_row) as cur,
+    ):
+        found = cur.execute(f'SELECT * FROM "{schema}".outbox WHERE id = %s', (row_id,)).fetchone()
+    assert found is not None
+    return found
+
+
+def _enqueue(dispatcher: Dispatcher, database_url: str, cmd: str, payload: Any = None) -> int:
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        return dispatcher.enqueue(conn, cmd, payload or {})
+
+
+def _drain_until_settled(dispatcher: Dispatcher, row_id: int, database_url: str) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        dispatcher.drain(timeout=5)
+        n = count_rows(database_url, dispatcher.schema, f"id = {row_id} AND parked_at IS NULL")
+        if n == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"row {row_id} did not settle")
+
+
+def test_backoff_then_parked_with_error_then_retry_delivers(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    effects: Effects,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fail = {"on": True}
+
+    def flaky(ctx: Context, payload: Any) -> None:
+        if fail["on"]:
+            raise ConnectionError(f"provider down (attempt {ctx.attempt})")
+
+    cmd = commands(family="quick", fn=flaky)  # quick: max_attempts=3, backoff 0.05-0.1 s
+    row_id = _enqueue(dispatcher, database_url, cmd)
+
+    first = dispatcher.drain(timeout=5)
+    assert first.count(Outcome.RETRIED) == 1
+    row = _row(database_url, dispatcher.schema, row_id)
+    assert (
+        row["attempts"] == 1 and row["last_error"] == "ConnectionError: provider down (attempt 1)"
+    )
+    assert row["claim_token"] is None and row["parked_at"] is None
+    with psycopg.connect(database_url) as conn:
+        wait = conn.execute(
+            f'SELECT extract(epoch FROM due_at - now()) FROM "{dispatcher.schema}".outbox'
+        ).fetchone()
+    assert wait is not None and 0 < float(wait[0]) <= 0.1
+
+    _drain_until_settled(dispatcher, row_id, database_url)
+    row = _row(database_url, dispatcher.schema, row_id)
+    assert row["parked_at"] is not None
+    assert row["attempts"] == 3
+    assert row["last_error"] == "ConnectionError: provider down (attempt 3)"
+    assert [a for c, _, a, _ in effects.calls if c == cmd] == [1, 2, 3]
+
+    # the CLI shows it and brings it back; attempts start over
+    spec = "tests.integration.app_ref:dispatcher"
+    monkeypatch.setattr("tests.integration.app_ref.dispatcher", dispatcher, raising=False)
+    assert cli_main(["--app", spec, "parked", "list"]) == 0
+    assert "provider down (attempt 3)" in capsys.readouterr().out
+    fail["on"] = False
+    assert cli_main(["--app", spec, "parked", "retry", str(row_id)]) == 0
+    assert "1 parked rows due again" in capsys.readouterr().out
+    assert dispatcher.drain(timeout=5).delivered == 1
+    assert count_rows(database_url, dispatcher.schema) == 0
+    assert [a for c, _, a, _ in effects.calls if c == cmd][-1] == 1
+
+
+def test_permanent_failure_parks_at_once(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    def reject(ctx: Context, payload: Any) -> None:
+        raise PermanentFailure("payload fails the schema: 'email' is required")
+
+    row_id = _enqueue(dispatcher, database_url, commands(fn=reject))
+    assert dispatcher.drain(timeout=5).count(Outcome.PARKED) == 1
+    row = _row(database_url, dispatcher.schema, row_id)
+    assert row["attempts"] == 1 and "'email' is required" in row["last_error"]
+
+
+def test_command_without_handler_at_delivery_is_parked(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    cmd = f"t.producer_only.{uuid.uuid4().hex[:6]}"
+    dispatcher.declare(cmd, family="intent")  # known to the producer, no handler here
+    row_id = _enqueue(dispatcher, database_url, cmd)
+    assert dispatcher.drain(timeout=5).count(Outcome.PARKED) == 1
+    row = _row(database_url, dispatcher.schema, row_id)
+    assert "no handler for command" in row["last_error"] and row["attempts"] == 1
+
+
+def _claim_one(dispatcher: Dispatcher, family: str = "intent") -> tuple[int, uuid.UUID]:
+    result = dispatcher.claimer.claim_family(dispatcher.families[family])
+    assert len(result.claimed) == 1
+    c = result.claimed[0]
+    return c.id, c.token
+
+
+def test_stale_and_forged_messages_run_nothing_and_settle_nothing(
+    dispatcher: Dispatcher, commands: Callable[..., str], effects: Effects, database_url: str
+) -> None:
+    cmd = commands()
+    row_id = _enqueue(dispatcher, database_url, cmd)
+    _, old_token = _claim_one(dispatcher)
+    # the lease runs out and the row is claimed again under a new token
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"UPDATE \"{dispatcher.schema}\".outbox SET due_at = now() - interval '1s'")
+    _, new_token = _claim_one(dispatcher)
+    before = _row(database_url, dispatcher.schema, row_id)
+
+    garbage: list[tuple[Any, ...]] = [
+        (row_id, str(old_token)),  # old token
+        (row_id, str(uuid.uuid4())),  # forged token
+        (row_id + 10_000, str(new_token)),  # unknown id
+        (row_id,),
+        ("x", "y"),
+        (row_id, "not-a-uuid"),
+        (True, str(new_token)),
+        (-1, str(new_token)),
+        ({"id": row_id}, None),
+        (),
+    ]
+    for args in garbage:
+        result = dispatcher.delivery.deliver_message(args)
+        assert result.outcome is Outcome.STALE, args
+    assert effects.rows(cmd) == []
+    assert _row(database_url, dispatcher.schema, row_id) == before
+
+    # the current claim still works
+    assert dispatcher.delivery.deliver(row_id, new_token).outcome is Outcome.DELIVERED
+    assert effects.rows(cmd) == [row_id]
+    # and replaying it afterwards is stale
+    assert dispatcher.delivery.deliver(row_id, new_token).outcome is Outcome.STALE
+    assert effects.rows(cmd) == [row_id]
+
+
+def test_redelivered_message_of_a_started_attempt_waits_for_the_lease(
+    dispatcher: Dispatcher, commands: Callable[..., str], effects: Effects, database_url: str
+) -> None:
+    """A killed worker's message is requeued at once: it must not run the handler again."""
+    cmd = commands()
+    row_id = _enqueue(dispatcher, database_url, cmd)
+    _, token = _claim_one(dispatcher)
+    # the attempt started, then its process died before settling
+    assert dispatcher.store.begin(row_id, token, lease=30) is not None
+    assert dispatcher.delivery.deliver(row_id, token).outcome is Outcome.STALE
+    assert effects.rows(cmd) == []
+    # after the lease the row is claimed again, flagged as maybe applied
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'UPDATE "{dispatcher.schema}".outbox SET due_at = now()')
+    report = dispatcher.drain(timeout=5)
+    assert report.delivered == 1
+    seen = [attempt for c, _, attempt, _ in effects.calls if c == cmd]
+    assert seen == [2]  # the handler ran once, as the second attempt
+
+
+def test_lost_attempt_sets_maybe_applied_and_a_lost_last_attempt_parks(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    flags: list[bool] = []
+
+    def note(ctx: Context, payload: Any) -> None:
+        flags.append(ctx.maybe_applied)
+
+    cmd = commands(family="quick", fn=note)  # max_attempts=3
+    row_id = _enqueue(dispatcher, database_url, cmd)
+    for _ in range(3):  # three attempts start and die
+        _, token = _claim_one(dispatcher, "quick")
+        assert dispatcher.store.begin(row_id, token, lease=5) is not None
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'UPDATE "{dispatcher.schema}".outbox SET due_at = now()')
+    result = dispatcher.claimer.claim_family(dispatcher.families["quick"])
+    assert result.claimed == [] and result.parked == [row_id]
+    row = _row(database_url, dispatcher.schema, row_id)
+    assert row["maybe_applied"] is True and row["attempts"] == 3
+    assert "ended without an outcome" in row["last_error"]
+    assert flags == []
+
+
+def test_claim_that_never_started_costs_no_attempt(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """A message lost between claim and start (claimer died before publishing)."""
+    cmd = commands(family="quick")
+    row_id = _enqueue(dispatcher, database_url, cmd)
+    for _ in range(5):
+        _claim_one(dispatcher, "quick")
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'UPDATE "{dispatcher.schema}".outbox SET due_at = now()')
+    row = _row(database_url, dispatcher.schema, row_id)
+    assert row["attempts"] == 1 and row["maybe_applied"] is False and row["parked_at"] is None
+    assert dispatcher.drain(timeout=5).delivered == 1
