@@ -85,7 +85,8 @@ def _progress(conn: psycopg.Connection[Any], schema: str, baseline: int) -> Prog
         f' FROM "{schema}".outbox WHERE id > %s',
         (baseline,),
     ).fetchone()
-    assert att is not None and rows is not None
+    assert att is not None
+    assert rows is not None
     return Progress(
         int(att[0]), int(att[1]), int(rows[0]), int(rows[1]), int(rows[2]), int(rows[3])
     )

@@ -1,4 +1,5 @@
-"""Enqueue: the row commits or rolls back with the caller's transaction; bad input writes nothing."""
+"""Enqueue: the row commits or rolls back with the caller's transaction; bad input writes
+nothing."""
 
 from __future__ import annotations
 
