@@ -1,0 +1,93 @@
+"""Acceptance tests run the worker, beat and CLI as separate processes, on their own schema and
+key prefix (the integration tests' in-process worker must not take their messages)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+import psycopg
+import pytest
+import redis
+
+from outbox_dispatch.migrations import migrate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def acc_env(database_url: str, redis_url: str, run_id: str) -> Iterator[dict[str, str]]:
+    schema = f"od_acc_{run_id}"
+    prefix = f"od_acc_{run_id}:"
+    migrate(database_url, schema)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            f'CREATE TABLE "{schema}".effects (row_id bigint, command text, attempt int,'
+            " pid int, at timestamptz DEFAULT now())"
+        )
+    env = {
+        **os.environ,
+        "OUTBOX_TEST_DATABASE_URL": database_url,
+        "OUTBOX_TEST_SCHEMA": schema,
+        "OUTBOX_TEST_REDIS_URL": redis_url,
+        "OUTBOX_TEST_KEY_PREFIX": prefix,
+        "OUTBOX_DISPATCH_APP": "tests.acceptance.app:dispatcher",
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+    }
+    yield env
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"{prefix}*"):
+        client.delete(key)
+    client.close()
+
+
+@pytest.fixture
+def clean_acc(acc_env: dict[str, str]) -> dict[str, str]:
+    schema = acc_env["OUTBOX_TEST_SCHEMA"]
+    with psycopg.connect(acc_env["OUTBOX_TEST_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(f'TRUNCATE "{schema}".outbox, "{schema}".effects')
+    return acc_env
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start a process in its own session; whatever is left is killed at the end."""
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[bytes]] = []
+
+    def start(args: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+        log = (tmp_path / f"{name}.log").open("wb")
+        logs.append(log)
+        p = subprocess.Popen(
+            args, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    for log in logs:
+        log.close()
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox_dispatch.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

@@ -1,0 +1,155 @@
+"""A real `celery worker -B` process and the `outbox-dispatch` CLI as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from subprocess import Popen
+
+import psycopg
+from celery import Celery
+
+from outbox_dispatch import Dispatcher
+
+from .conftest import cli
+
+
+def _producer(env: dict[str, str]) -> Dispatcher:
+    """A producer service: it declares the commands it sends; handlers live in the worker."""
+    app = Celery("producer", broker=env["OUTBOX_TEST_REDIS_URL"], set_as_current=False)
+    d = Dispatcher(
+        app, database_url=env["OUTBOX_TEST_DATABASE_URL"], schema=env["OUTBOX_TEST_SCHEMA"]
+    )
+    d.family("custom", max_attempts=2)
+    d.declare("acc.email", family="intent")
+    d.declare("acc.custom", family="custom")
+    return d
+
+
+def _counts(env: dict[str, str]) -> tuple[int, list[tuple[int, int]]]:
+    schema = env["OUTBOX_TEST_SCHEMA"]
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:
+        live = conn.execute(
+            f'SELECT count(*) FROM "{schema}".outbox WHERE parked_at IS NULL'  # noqa: S608
+        ).fetchone()
+        per_row = conn.execute(
+            f'SELECT row_id, count(*) FROM "{schema}".effects GROUP BY row_id'  # noqa: S608
+        ).fetchall()
+    assert live is not None
+    return int(live[0]), [(int(r), int(n)) for r, n in per_row]
+
+
+def test_rows_committed_while_no_worker_runs_are_delivered_once_it_starts(
+    clean_acc: dict[str, str], spawn: Callable[..., Popen[bytes]]
+) -> None:
+    env = clean_acc
+    producer = _producer(env)
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn, conn.transaction():
+        ids = [producer.enqueue(conn, "acc.email", {"n": i}) for i in range(60)]
+        ids += [producer.enqueue(conn, "acc.custom", {"n": i}) for i in range(15)]
+        failing = producer.enqueue(conn, "acc.custom", {"fail": True})
+    producer.close()
+    time.sleep(0.5)
+    assert _counts(env) == (76, [])  # nothing runs without a worker
+
+    # a bare worker with an embedded beat: it must consume every outbox queue by itself
+    worker = spawn(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.acceptance.app",
+            "worker",
+            "-B",
+            "-c",
+            "2",
+            "--loglevel",
+            "INFO",
+            "-s",
+            f"/tmp/beat-{env['OUTBOX_TEST_SCHEMA']}",
+        ],
+        env,
+        "worker",
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        live, per_row = _counts(env)
+        delivered = {r for r, _ in per_row} - {failing}
+        if live == 0 and delivered == set(ids):
+            break
+        assert worker.poll() is None, "worker exited"
+        assert time.monotonic() < deadline, f"not delivered in time: live={live}"
+        time.sleep(0.2)
+    time.sleep(1.0)  # a duplicate would show up here
+    _, per_row = _counts(env)
+    counts = dict(per_row)
+    assert all(counts[i] == 1 for i in ids), "a row was delivered more than once"
+    assert counts[failing] == 2  # the custom family parks after 2 attempts
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+
+    parked = json.loads(cli(env, "--json", "parked", "list").stdout)
+    assert [p["id"] for p in parked] == [failing]
+    assert parked[0]["last_error"] == "RuntimeError: custom handler refuses this payload"
+
+
+def test_cli_migrate_status_and_parked(clean_acc: dict[str, str]) -> None:
+    env = clean_acc
+    first = cli(env, "migrate")
+    assert first.returncode == 0, first.stderr
+    assert "already up to date" in first.stdout
+
+    schema = env["OUTBOX_TEST_SCHEMA"]
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(
+            f'INSERT INTO "{schema}".outbox (family, command, payload, due_at, parked_at,'  # noqa: S608
+            " attempts, last_error) VALUES"
+            " ('custom', 'acc.custom', '{}', now(), now(), 2, 'boom'),"
+            " ('custom', 'acc.custom', '{}', now(), now(), 2, 'boom'),"
+            " ('intent', 'acc.email', '{}', now() - interval '5 s', NULL, 0, NULL),"
+            " ('intent', 'acc.email', '{}', now() + interval '1 h', NULL, 0, NULL)"
+        )
+        ids = [
+            r[0]
+            for r in conn.execute(
+                f'SELECT id FROM "{schema}".outbox WHERE parked_at IS NOT NULL ORDER BY id'
+            )
+        ]  # noqa: E501, S608
+
+    status = cli(env, "--json", "status")
+    assert status.returncode == 0, status.stderr
+    by_family = {s["family"]: s for s in json.loads(status.stdout)}
+    assert by_family["custom"]["parked"] == 2
+    assert by_family["intent"]["due"] == 1
+    assert by_family["intent"]["scheduled"] == 1
+    assert by_family["intent"]["oldest_due_age"] >= 5
+    assert by_family["job"]["due"] == 0
+    table = cli(env, "status").stdout
+    assert table.splitlines()[0].split()[:3] == ["family", "due", "scheduled"]
+
+    listed = cli(env, "parked", "list")
+    assert listed.returncode == 0 and "boom" in listed.stdout
+
+    refused = cli(env, "parked", "retry")
+    assert refused.returncode == 2 and "name row ids, or pass --all" in refused.stderr
+
+    retried = cli(env, "parked", "retry", str(ids[0]), "999999")
+    assert retried.returncode == 0
+    assert "1 parked rows due again" in retried.stdout and "999999" in retried.stdout
+    purged = cli(env, "--json", "parked", "purge", "--all")
+    assert json.loads(purged.stdout)["ids"] == [ids[1]]
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:
+        row = conn.execute(
+            f'SELECT attempts, parked_at FROM "{schema}".outbox WHERE id = %s',  # noqa: S608
+            (ids[0],),
+        ).fetchone()
+    assert row == (0, None)
+
+    missing_app = cli({**env, "OUTBOX_DISPATCH_APP": ""}, "status")
+    assert missing_app.returncode == 2 and "--app module:attribute" in missing_app.stderr
+    bad_app = cli(env, "--app", "tests.acceptance.nowhere:x", "status")
+    assert bad_app.returncode == 2 and "cannot import" in bad_app.stderr

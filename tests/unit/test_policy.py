@@ -1,0 +1,92 @@
+"""Pure decisions: backoff bounds, retry-or-park, claim limits."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from outbox_dispatch import Backoff, ConfigurationError, Family
+from outbox_dispatch.policy import Verdict, builtin_families, claim_limit, decide_failure
+
+
+@given(
+    base=st.floats(0.01, 100),
+    factor=st.floats(1, 1000),
+    jitter=st.floats(0, 1),
+    attempts=st.integers(-5, 10_000),
+    rand=st.floats(0, 1, exclude_max=True),
+)
+def test_backoff_stays_within_its_bounds(
+    base: float, factor: float, jitter: float, attempts: int, rand: float
+) -> None:
+    b = Backoff(base=base, cap=base * factor, jitter=jitter)
+    delay = b.delay(attempts, rand)
+    assert 0 < delay <= b.cap
+    raw = min(b.cap, base * 2.0 ** (max(attempts, 1) - 1)) if attempts < 1000 else b.cap
+    assert delay >= raw * (1 - jitter) * 0.999999
+
+
+def test_backoff_doubles_until_the_cap() -> None:
+    b = Backoff(base=1, cap=10, jitter=0)
+    assert [b.delay(n, 0.5) for n in range(1, 7)] == [1, 2, 4, 8, 10, 10]
+
+
+@given(attempts=st.integers(1, 50), max_attempts=st.integers(1, 20))
+def test_park_exactly_when_attempts_run_out(attempts: int, max_attempts: int) -> None:
+    fam = Family("f", max_attempts=max_attempts)
+    verdict = decide_failure(fam, attempts, 0.3).verdict
+    assert (verdict is Verdict.PARK) == (attempts >= max_attempts)
+
+
+@given(attempts=st.integers(1, 10**6))
+def test_unbounded_family_never_parks_on_failure(attempts: int) -> None:
+    decision = decide_failure(Family("f", max_attempts=None), attempts, 0.9)
+    assert decision.verdict is Verdict.RETRY
+    assert decision.delay > 0
+
+
+def test_permanent_failure_parks_on_the_first_attempt() -> None:
+    assert (
+        decide_failure(Family("f", max_attempts=None), 1, 0, permanent=True).verdict is Verdict.PARK
+    )
+
+
+@given(batch=st.integers(1, 5000), cap=st.integers(1, 5000), in_flight=st.integers(0, 10_000))
+def test_claim_limit_respects_in_flight_cap(batch: int, cap: int, in_flight: int) -> None:
+    n = claim_limit(batch, cap, in_flight)
+    assert 0 <= n <= batch
+    assert n + in_flight <= max(cap, in_flight)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_attempts": 0},
+        {"lease": 0.5},
+        {"max_in_flight": 0},
+        {"per_actor": 0},
+        {"retention": -1},
+        {"name": "Bad-Name"},
+        {"name": "x" * 49},
+    ],
+)
+def test_bad_family_policy_is_refused(kwargs: dict[str, object]) -> None:
+    args: dict[str, object] = {"name": "ok", **kwargs}
+    with pytest.raises(ConfigurationError):
+        Family(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"base": 0}, {"base": 2, "cap": 1}, {"jitter": 1.5}, {"base": float("inf")}]
+)
+def test_bad_backoff_is_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigurationError):
+        Backoff(**kwargs)
+
+
+def test_builtin_families() -> None:
+    fams = builtin_families()
+    assert fams["intent"].max_attempts is None
+    assert fams["job"].max_attempts is not None
+    assert fams["job"].lease > fams["intent"].lease
