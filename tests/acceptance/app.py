@@ -30,7 +30,7 @@ dispatcher.family("custom", max_attempts=2, lease=10, backoff=Backoff(base=0.1, 
 def _record(ctx: Context) -> None:
     with dispatcher.store.connection() as conn:
         conn.execute(
-            f'INSERT INTO "{SCHEMA}".effects (row_id, command, attempt, pid)'  # noqa: S608
+            f'INSERT INTO "{SCHEMA}".effects (row_id, command, attempt, pid)'
             " VALUES (%s, %s, %s, %s)",
             (ctx.row_id, ctx.command, ctx.attempt, os.getpid()),
         )

@@ -33,10 +33,10 @@ def _counts(env: dict[str, str]) -> tuple[int, list[tuple[int, int]]]:
     schema = env["OUTBOX_TEST_SCHEMA"]
     with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:
         live = conn.execute(
-            f'SELECT count(*) FROM "{schema}".outbox WHERE parked_at IS NULL'  # noqa: S608
+            f'SELECT count(*) FROM "{schema}".outbox WHERE parked_at IS NULL'
         ).fetchone()
         per_row = conn.execute(
-            f'SELECT row_id, count(*) FROM "{schema}".effects GROUP BY row_id'  # noqa: S608
+            f'SELECT row_id, count(*) FROM "{schema}".effects GROUP BY row_id'
         ).fetchall()
     assert live is not None
     return int(live[0]), [(int(r), int(n)) for r, n in per_row]
@@ -106,7 +106,7 @@ def test_cli_migrate_status_and_parked(clean_acc: dict[str, str]) -> None:
     schema = env["OUTBOX_TEST_SCHEMA"]
     with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"], autocommit=True) as conn:
         conn.execute(
-            f'INSERT INTO "{schema}".outbox (family, command, payload, due_at, parked_at,'  # noqa: S608
+            f'INSERT INTO "{schema}".outbox (family, command, payload, due_at, parked_at,'
             " attempts, last_error) VALUES"
             " ('custom', 'acc.custom', '{}', now(), now(), 2, 'boom'),"
             " ('custom', 'acc.custom', '{}', now(), now(), 2, 'boom'),"
@@ -118,7 +118,7 @@ def test_cli_migrate_status_and_parked(clean_acc: dict[str, str]) -> None:
             for r in conn.execute(
                 f'SELECT id FROM "{schema}".outbox WHERE parked_at IS NOT NULL ORDER BY id'
             )
-        ]  # noqa: E501, S608
+        ]
 
     status = cli(env, "--json", "status")
     assert status.returncode == 0, status.stderr
@@ -144,7 +144,7 @@ def test_cli_migrate_status_and_parked(clean_acc: dict[str, str]) -> None:
     assert json.loads(purged.stdout)["ids"] == [ids[1]]
     with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:
         row = conn.execute(
-            f'SELECT attempts, parked_at FROM "{schema}".outbox WHERE id = %s',  # noqa: S608
+            f'SELECT attempts, parked_at FROM "{schema}".outbox WHERE id = %s',
             (ids[0],),
         ).fetchone()
     assert row == (0, None)

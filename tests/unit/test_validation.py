@@ -58,7 +58,7 @@ def test_due_offset() -> None:
         (3, None),
         (timedelta(seconds=-1), None),
         (None, "2030-01-01"),
-        (None, datetime(2030, 1, 1)),  # noqa: DTZ001
+        (None, datetime(2030, 1, 1)),
         (timedelta(1), at),
     ]:
         with pytest.raises(InvalidArgument):
