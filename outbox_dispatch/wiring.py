@@ -40,6 +40,7 @@ def register_tasks(
 
     @app.task(  # type: ignore[untyped-decorator]
         name=DELIVER_TASK,
+        shared=False,  # a shared task would be added to every other Celery app in the process
         bind=True,
         acks_late=True,
         reject_on_worker_lost=True,
@@ -50,7 +51,7 @@ def register_tasks(
         info = getattr(self.request, "delivery_info", None) or {}
         deliver(args, info.get("routing_key"))
 
-    @app.task(name=CLAIM_TASK, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
+    @app.task(name=CLAIM_TASK, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
     def claim_task() -> None:
         claim()
 
