@@ -4,29 +4,37 @@ The message carries only (row id, claim token). Publishing happens after the cla
 so a delivery never sees a token that is not yet visible; a claimer that dies between commit
 and publish leaves leased rows that are claimed again after the lease, without an attempt
 counted (their claim never started).
+
+Capped families take a Redis slot per row while the candidates are locked; a row whose actor
+is at its cap is not published but set waiting, out of the due range, until a slot of its
+actor frees (the releasing worker makes it due) or one lease passes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .logs import event
-from .policy import Family, LostAttempt
-from .store import Claimed, ClaimResult, Store
+from .policy import Candidate, Family, LostAttempt, plan_capped_claim
+from .store import CappedDecision, Claimed, ClaimResult, Store
 
 log = logging.getLogger(__name__)
 
 Publisher = Callable[[Family, list[Claimed]], None]
+CapOf = Callable[[Family, str], int | None]
 
 
 @dataclass
 class ClaimReport:
     claimed: dict[str, int] = field(default_factory=dict)
     parked: dict[str, int] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
     rounds: int = 0
 
     @property
@@ -35,21 +43,36 @@ class ClaimReport:
 
 
 class Claimer:
-    def __init__(self, store: Store, families: Mapping[str, Family], *, batch: int = 500) -> None:
+    def __init__(
+        self,
+        store: Store,
+        families: Mapping[str, Family],
+        *,
+        batch: int = 500,
+        caps: Caps | None = None,
+        cap_of: CapOf = lambda family, command: family.per_actor,
+        is_capped: Callable[[Family], bool] = lambda family: family.per_actor is not None,
+    ) -> None:
         self.store = store
         self.families = families
         self.batch = batch
+        self.caps = caps
+        self.cap_of = cap_of
+        self.is_capped = is_capped
 
     def claim_family(self, family: Family, *, batch: int | None = None) -> ClaimResult:
         t0 = time.perf_counter()
-        result = self.store.claim(
-            family=family.name,
-            batch=batch or self.batch,
-            lease=family.lease,
-            max_in_flight=family.max_in_flight,
-            max_attempts=family.max_attempts,
-            park_lost=family.on_lost is LostAttempt.PARK,
-        )
+        if self.is_capped(family):
+            result = self._claim_capped(family, batch or self.batch)
+        else:
+            result = self.store.claim(
+                family=family.name,
+                batch=batch or self.batch,
+                lease=family.lease,
+                max_in_flight=family.max_in_flight,
+                max_attempts=family.max_attempts,
+                park_lost=family.on_lost is LostAttempt.PARK,
+            )
         for row_id in result.parked:
             event(
                 log,
@@ -60,15 +83,92 @@ class Claimer:
                 row_id=row_id,
                 family=family.name,
             )
-        if result.claimed:
+        if family.ordered and result.parked_actors and not family.parked_blocks:
+            self.store.promote_blocked(family.name, list(result.parked_actors), False)
+        if result.claimed or result.waiting:
             event(
                 log,
                 logging.DEBUG,
                 "claimed",
-                f"{len(result.claimed)} rows in {(time.perf_counter() - t0) * 1000:.1f} ms",
+                f"{len(result.claimed)} rows, {result.waiting} set waiting, "
+                f"in {(time.perf_counter() - t0) * 1000:.1f} ms",
                 family=family.name,
             )
         return result
+
+    # -- capped claims ----------------------------------------------------------------------
+
+    def _claim_capped(self, family: Family, batch: int) -> ClaimResult:
+        if self.caps is None:
+            raise CapsUnavailable(
+                f"family {family.name!r} has a per-actor cap but the dispatcher has no redis_url"
+            )
+        try:
+            return self._claim_capped_once(family, batch, self.caps)
+        except CapsIncomplete:
+            restored = self.rebuild_caps()
+            event(
+                log,
+                logging.WARNING,
+                "caps_rebuilt",
+                f"Redis had lost the cap semaphores; restored {restored} live holders from "
+                "Postgres before claiming capped rows again",
+                family=family.name,
+            )
+            return self._claim_capped_once(family, batch, self.caps)
+
+    def _claim_capped_once(self, family: Family, batch: int, caps: Caps) -> ClaimResult:
+        taken: dict[int, Slot] = {}  # row id -> the slot granted for it
+
+        def cap_of(c: Candidate) -> int | None:
+            return None if c.actor is None else self.cap_of(family, c.command)
+
+        def decide(candidates: list[Candidate], limit: int) -> CappedDecision:
+            plan = plan_capped_claim(candidates, cap_of, limit)
+            tokens = {c.id: uuid.uuid4() for c in plan.take}
+            capped = [c for c in plan.take if cap_of(c) is not None]
+            slots = [Slot(family.name, c.actor or "", tokens[c.id], cap_of(c) or 1) for c in capped]
+            wait = [c.id for c in plan.wait]
+            try:
+                granted = caps.acquire_many(slots, family.lease)
+            except CapsIncomplete:
+                caps.release_many(slots)
+                raise
+            except CapsUnavailable as exc:
+                # Redis is down: capped rows stay due in Postgres and are tried again next
+                # pass; rows without an actor still go out.
+                event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
+                granted = [False] * len(slots)
+                wait = []
+            else:
+                wait += [c.id for c, ok in zip(capped, granted, strict=True) if not ok]
+            refused = {c.id for c, ok in zip(capped, granted, strict=True) if not ok}
+            taken.update({c.id: s for c, s, ok in zip(capped, slots, granted, strict=True) if ok})
+            return [(c.id, tokens[c.id]) for c in plan.take if c.id not in refused], wait
+
+        try:
+            result = self.store.claim_capped(
+                family=family.name,
+                batch=batch,
+                lease=family.lease,
+                max_in_flight=family.max_in_flight,
+                max_attempts=family.max_attempts,
+                park_lost=family.on_lost is LostAttempt.PARK,
+                decide=decide,
+            )
+        except BaseException:
+            caps.release_many(list(taken.values()))  # the claim rolled back: give slots back
+            raise
+        # rows parked at claim (their last attempt was lost) do not keep the slot they took
+        caps.release_many([taken[i] for i in result.parked if i in taken])
+        return result
+
+    def rebuild_caps(self) -> int:
+        assert self.caps is not None
+        capped = [f.name for f in self.families.values() if self.is_capped(f)]
+        return self.store.rebuild_caps(capped, self.caps.restore)
+
+    # -- the claim loop ---------------------------------------------------------------------
 
     def run(self, publish: Publisher, *, budget: float = 1.0) -> ClaimReport:
         """Claim and publish every family until none fills a batch or ``budget`` seconds pass."""
@@ -79,11 +179,16 @@ class Claimer:
             report.rounds += 1
             full: list[Family] = []
             for family in pending:
-                result = self.claim_family(family)
+                try:
+                    result = self.claim_family(family)
+                except CapsUnavailable as exc:
+                    event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
+                    continue
                 if result.claimed:
                     publish(family, result.claimed)
                 _add(report.claimed, family.name, len(result.claimed))
                 _add(report.parked, family.name, len(result.parked))
+                _add(report.waiting, family.name, result.waiting)
                 if result.limit > 0 and len(result.claimed) + len(result.parked) >= result.limit:
                     full.append(family)
             pending = full

@@ -83,6 +83,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     dispatcher, _ = load_dispatcher(args.app)
     rows = [dataclasses.asdict(s) for s in dispatcher.status()]
     columns = ["family", "due", "scheduled", "in_flight", "parked", "cancelled", "done"]
+    columns += ["waiting", "blocked", "actors_at_cap"]
     shown = [{**r, "oldest_due_age": f"{r['oldest_due_age']:.1f}s"} for r in rows]
     _emit(args, rows, table(shown, [*columns, "oldest_due_age"]))
     return 0
@@ -90,9 +91,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_parked(args: argparse.Namespace) -> int:
     dispatcher, _ = load_dispatcher(args.app)
-    store = dispatcher.store
     if args.parked_cmd == "list":
-        rows = store.parked_list(family=args.family, limit=args.limit)
+        rows = dispatcher.store.parked_list(family=args.family, limit=args.limit)
         columns = ["id", "family", "command", "actor", "attempts", "maybe_applied", "parked_at"]
         text = table(rows, [*columns, "last_error"]) if rows else "no parked rows"
         _emit(args, rows, text)
@@ -101,10 +101,10 @@ def cmd_parked(args: argparse.Namespace) -> int:
     if not ids and not args.all:
         raise OutboxError(f"parked {args.parked_cmd}: name row ids, or pass --all")
     if args.parked_cmd == "retry":
-        done = store.parked_retry(ids=ids, family=args.family)
+        done = dispatcher.parked_retry(ids=ids, family=args.family)
         verb = "due again (attempts reset)"
     else:
-        done = store.parked_purge(ids=ids, family=args.family)
+        done = dispatcher.parked_purge(ids=ids, family=args.family)
         verb = "deleted"
     missing = sorted(set(ids or []) - set(done))
     note = f"; not parked or not found: {missing}" if missing else ""

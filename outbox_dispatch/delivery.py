@@ -1,4 +1,5 @@
-"""Runs one claimed row: check the claim, run the handler, settle fenced by the claim token."""
+"""Runs one claimed row: check the claim, run the handler, settle fenced by the claim token,
+then give back the row's cap slot and let the actor's next waiting row in."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from enum import StrEnum
 from typing import Any
 from uuid import UUID
 
+from .caps import Caps, CapsUnavailable
 from .errors import PermanentFailure
 from .handlers import Context, Registry
 from .logs import event
@@ -65,11 +67,17 @@ class Delivery:
         registry: Registry,
         families: Mapping[str, Family],
         *,
+        caps: Caps | None = None,
+        is_capped: Callable[[Family], bool] = lambda f: f.per_actor is not None,
+        wake: Callable[[], None] = lambda: None,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.store = store
         self.registry = registry
         self.families = families
+        self.caps = caps
+        self.is_capped = is_capped
+        self.wake = wake
         self.rand = rand
 
     def deliver_message(self, args: tuple[Any, ...]) -> Result:
@@ -89,15 +97,19 @@ class Delivery:
             return Result(Outcome.STALE, row_id, why)
         family = self.families.get(started.family)
         if family is None:
-            return self._settle_park(
+            return self._park(
                 started,
+                None,
                 f"family {started.family!r} is not declared in this worker: "
                 "declare it with dispatcher.family() and retry the parked row",
             )
+        if not self._slot_still_held(started, family):
+            return Result(Outcome.STALE, row_id, "cap slot lapsed")
         fn = self.registry.handler(started.command)
         if fn is None:
-            return self._settle_park(
+            return self._park(
                 started,
+                family,
                 f"no handler for command {started.command!r} in this worker: "
                 "register it with @dispatcher.handler and run `outbox-dispatch parked retry`",
             )
@@ -109,7 +121,7 @@ class Delivery:
             attempt=started.attempts,
             idempotency_key=started.dedupe_key or f"outbox:{started.id}",
             maybe_applied=started.maybe_applied,
-            _renew=lambda: self.store.renew(started.id, started.token, family.lease),
+            _renew=lambda: self._renew(started, family),
         )
         fields = _fields(started)
         event(log, logging.DEBUG, "handler_started", "running handler", **fields)
@@ -117,44 +129,119 @@ class Delivery:
         try:
             fn(ctx, started.payload)
         except PermanentFailure as exc:
-            return self._settle_park(started, describe_error(exc))
+            return self._park(started, family, describe_error(exc))
         except Exception as exc:
-            return self._settle_failure(started, family, exc)
+            return self._failed(started, family, exc)
         elapsed = time.perf_counter() - t0
         kind = "done" if family.retention > 0 else "delete"
-        if self.store.settle(kind, started.id, started.token):
+        if self._settle(kind, started, family):
             event(
                 log, logging.INFO, "delivered", f"handler ok in {elapsed * 1000:.1f} ms", **fields
             )
             return Result(Outcome.DELIVERED, started.id)
         return self._lost(started)
 
+    # -- leases and slots -------------------------------------------------------------------
+
     def _lease_for(self, family_hint: str | None) -> float:
-        # The begin statement renews the lease before the family is known from the row; the
-        # message's family (the queue it came from) gives the lease, else the longest one.
+        # The begin statement renews the lease before the row's family is known; the queue the
+        # message came from names it, else the longest lease is the safe choice.
         if family_hint and family_hint in self.families:
             return self.families[family_hint].lease
         return max(f.lease for f in self.families.values())
 
-    def _settle_failure(self, started: Started, family: Family, exc: Exception) -> Result:
+    def _capped(self, started: Started, family: Family) -> bool:
+        return self.caps is not None and started.actor is not None and self.is_capped(family)
+
+    def _slot_still_held(self, started: Started, family: Family) -> bool:
+        """A capped row may only start while its slot is live: if the slot lapsed, another row
+        of the actor may hold it now, so the row goes back, due, uncounted."""
+        if not self._capped(started, family):
+            return True
+        assert self.caps is not None
+        assert started.actor is not None
+        try:
+            state = self.caps.renew(started.family, started.actor, started.token, family.lease)
+        except CapsUnavailable as exc:
+            # The row's lease is live in Postgres, so its slot was live when Redis went away; a
+            # rebuild restores it from that lease.
+            event(log, logging.WARNING, "caps_unavailable", str(exc), **_fields(started))
+            return True
+        if state == 0:
+            self.store.handback(started.id, started.token)
+            event(
+                log,
+                logging.WARNING,
+                "cap_slot_lapsed",
+                "the row's cap slot expired before delivery began; row handed back",
+                **_fields(started),
+            )
+            return False
+        return True
+
+    def _renew(self, started: Started, family: Family) -> bool:
+        alive = self.store.renew(started.id, started.token, family.lease)
+        if alive and self._capped(started, family):
+            assert self.caps is not None
+            assert started.actor is not None
+            try:
+                self.caps.renew(started.family, started.actor, started.token, family.lease)
+            except CapsUnavailable as exc:
+                event(log, logging.WARNING, "caps_unavailable", str(exc), **_fields(started))
+        return alive
+
+    # -- settling ---------------------------------------------------------------------------
+
+    def _settle(
+        self,
+        kind: str,
+        started: Started,
+        family: Family | None,
+        *,
+        delay: float = 0.0,
+        error: str | None = None,
+    ) -> bool:
+        """Settle fenced by the token; then free the cap slot and let one waiting row in."""
+        if family is not None and family.ordered and started.actor is not None:
+            ok = self.store.settle_in_line(
+                kind,
+                started.id,
+                started.token,
+                family=family.name,
+                actor=started.actor,
+                parked_blocks=family.parked_blocks,
+                delay=delay,
+                error=error,
+            )
+        else:
+            ok = self.store.settle(kind, started.id, started.token, delay=delay, error=error)
+        if family is not None and self._capped(started, family):
+            assert self.caps is not None
+            assert started.actor is not None
+            # release only after the settle: the slot covers the row until it is settled
+            self.caps.release(started.family, started.actor, started.token)
+            if self.store.promote_waiting(started.family, started.actor, 1):
+                self.wake()
+        return ok
+
+    def _failed(self, started: Started, family: Family, exc: Exception) -> Result:
         error = describe_error(exc)
         decision = decide_failure(family, started.attempts, self.rand())
-        fields = _fields(started)
         if decision.verdict is Verdict.PARK:
-            return self._settle_park(started, error)
-        if self.store.settle("retry", started.id, started.token, delay=decision.delay, error=error):
+            return self._park(started, family, error)
+        if self._settle("retry", started, family, delay=decision.delay, error=error):
             event(
                 log,
                 logging.WARNING,
                 "retried",
                 f"handler failed, due again in {decision.delay:.1f} s: {error}",
-                **fields,
+                **_fields(started),
             )
             return Result(Outcome.RETRIED, started.id, error)
         return self._lost(started)
 
-    def _settle_park(self, started: Started, error: str) -> Result:
-        if self.store.settle("park", started.id, started.token, error=error):
+    def _park(self, started: Started, family: Family | None, error: str) -> Result:
+        if self._settle("park", started, family, error=error):
             event(
                 log,
                 logging.ERROR,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from celery import Celery
 
 from . import wiring
+from .caps import Caps
 from .claimer import Claimer, ClaimReport, message_options
 from .delivery import Delivery, Outcome, Result, parse_message
 from .errors import ConfigurationError, DrainLoop, DrainTimeout, InvalidArgument, UnknownFamily
@@ -57,6 +58,7 @@ class Dispatcher:
         claim_batch: int = 500,
         payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
         pool_size: int = 4,
+        key_prefix: str = "outbox",
     ) -> None:
         if not database_url:
             raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
@@ -76,8 +78,23 @@ class Dispatcher:
         self.families: dict[str, Family] = builtin_families()
         self.registry = Registry()
         self.store = Store(database_url, self.schema, pool_size=pool_size)
-        self.claimer = Claimer(self.store, self.families, batch=claim_batch)
-        self.delivery = Delivery(self.store, self.registry, self.families)
+        self.caps = Caps(redis_url, key_prefix) if redis_url else None
+        self.claimer = Claimer(
+            self.store,
+            self.families,
+            batch=claim_batch,
+            caps=self.caps,
+            cap_of=self.cap_of,
+            is_capped=self.is_capped,
+        )
+        self.delivery = Delivery(
+            self.store,
+            self.registry,
+            self.families,
+            caps=self.caps,
+            is_capped=self.is_capped,
+            wake=self.wake,
+        )
 
         app.outbox_dispatcher = self  # lets `--app proj:celery_app` find us, as celery -A does
         wiring.write_settings(app)
@@ -108,9 +125,17 @@ class Dispatcher:
         ordered: bool = False,
         retention: float | timedelta = 0.0,
         on_lost: str | LostAttempt = LostAttempt.RETRY,
+        parked_blocks: bool = True,
     ) -> Family:
-        """Declare a family (its own queue ``<prefix>.<name>``) or replace a family's policy."""
+        """Declare a family (its own queue ``<prefix>.<name>``) or replace a family's policy.
+
+        ``per_actor``: at most this many rows of one actor run at once (Redis semaphores).
+        ``ordered``: one actor's rows run one at a time in enqueue order; a parked row holds
+        its actor's line unless ``parked_blocks=False``.
+        """
         family_name(name)
+        if per_actor is not None:
+            self._need_redis(f"family {name!r} with per_actor={per_actor}")
         try:
             lost = LostAttempt(on_lost)
         except ValueError as exc:
@@ -126,7 +151,12 @@ class Dispatcher:
             ordered=ordered,
             retention=keep,
             on_lost=lost,
+            parked_blocks=parked_blocks,
         )
+        if fam.ordered and self.registry.capped_commands(name):
+            raise ConfigurationError(
+                f"family {name!r} is ordered: its handlers cannot set per_actor"
+            )
         self.families[name] = fam
         if self.app.configured:
             self._apply_queues()
@@ -136,16 +166,52 @@ class Dispatcher:
         names = [self.claim_queue, *(self.queue_name(f) for f in self.families)]
         wiring.apply_queues(self.app, names)
 
-    def handler(self, command: str, *, family: str = "intent") -> Callable[[HandlerFn], HandlerFn]:
-        """Register ``fn(ctx, payload)`` as the handler of ``command``."""
-
-        def decorate(fn: HandlerFn) -> HandlerFn:
-            self.registry.add(Registration(command, family, fn), set(self.families))
-            return fn
-
+    def handler(
+        self, command: str, *, family: str = "intent", per_actor: int | None = None
+    ) -> Callable[[HandlerFn], HandlerFn]:
+        """Register ``fn(ctx, payload)`` as the handler of ``command``; ``per_actor``
+        overrides the family's cap for this command's rows."""
         if not isinstance(command, str) or not command or len(command) > 200:
             raise ConfigurationError(f"command must be a 1-200 character str, got {command!r}")
+        if per_actor is not None:
+            if isinstance(per_actor, bool) or not isinstance(per_actor, int) or per_actor < 1:
+                raise ConfigurationError(f"per_actor must be None or >= 1, got {per_actor!r}")
+            self._need_redis(f"handler {command!r} with per_actor={per_actor}")
+            if family in self.families and self.families[family].ordered:
+                raise ConfigurationError(
+                    f"family {family!r} is ordered (one row per actor at a time): "
+                    "per_actor does not apply"
+                )
+
+        def decorate(fn: HandlerFn) -> HandlerFn:
+            self.registry.add(Registration(command, family, fn, per_actor), set(self.families))
+            return fn
+
         return decorate
+
+    def _need_redis(self, what: str) -> None:
+        if self.caps is None:
+            raise ConfigurationError(
+                f"{what} needs Redis for its cap semaphores: pass redis_url to Dispatcher()"
+            )
+
+    def is_capped(self, family: Family) -> bool:
+        if family.ordered:
+            return False
+        return family.per_actor is not None or self.registry.capped_commands(family.name)
+
+    def cap_of(self, family: Family, command: str) -> int | None:
+        override = self.registry.cap_override(command)
+        return override if override is not None else family.per_actor
+
+    def wake(self) -> None:
+        """Ask for a claim pass now (a slot freed); coalesced to one per 50 ms."""
+        if self.caps is None or not self.caps.wake_once():
+            return
+        try:
+            self._claim_task.apply_async(queue=self.claim_queue, expires=self.claim_interval)
+        except Exception as exc:  # the beat entry claims anyway; a wake is only a speed-up
+            event(log, logging.WARNING, "wake_failed", f"could not send a claim wake: {exc!r}")
 
     def declare(self, command: str, *, family: str = "intent") -> None:
         """Let a producer enqueue ``command`` without running it (its handler lives elsewhere)."""
@@ -195,6 +261,11 @@ class Dispatcher:
         row, nothing is written and that row's id is returned.
         """
         row = self._prepare(command, payload, actor, dedupe_key, delay, at)
+        fam = self.families[row.family]
+        if fam.ordered and row.actor is not None:
+            return self.store.insert_ordered(
+                _check_conn(conn), row, parked_blocks=fam.parked_blocks
+            )
         return self.store.insert(_check_conn(conn), row)
 
     def enqueue_many(self, conn: Conn, messages: Iterable[Message]) -> list[int]:
@@ -205,7 +276,8 @@ class Dispatcher:
             if not isinstance(m, Message):
                 raise InvalidArgument(f"enqueue_many takes Message objects, got {type(m).__name__}")
             rows.append(self._prepare(m.command, m.payload, m.actor, m.dedupe_key, m.delay, m.at))
-        return self.store.insert_many(_check_conn(conn), rows)
+        ordered = {f.name: f.parked_blocks for f in self.families.values() if f.ordered}
+        return self.store.insert_many(_check_conn(conn), rows, ordered)
 
     # -- claim, publish, deliver ----------------------------------------------------------
 
@@ -281,10 +353,53 @@ class Dispatcher:
     def status(self) -> list[FamilyStatus]:
         seen = {s.family: s for s in self.store.status()}
         out = [seen.pop(name, FamilyStatus(name, 0, 0, 0, 0, 0, 0, 0.0)) for name in self.families]
-        return out + list(seen.values())
+        out += list(seen.values())
+        special = [f for f in self.families.values() if f.ordered or self.is_capped(f)]
+        if not special:
+            return out
+        counts, actors = self.store.cap_status([f.name for f in special])
+        at_cap: dict[str, int] = {}
+        for fam_name, _actor, n in actors:
+            fam = self.families[fam_name]
+            if self.is_capped(fam) and fam.per_actor is not None and n >= fam.per_actor:
+                at_cap[fam_name] = at_cap.get(fam_name, 0) + 1
+        return [
+            replace(
+                s,
+                waiting=counts.get(s.family, (0, 0))[0],
+                blocked=counts.get(s.family, (0, 0))[1],
+                actors_at_cap=at_cap.get(s.family, 0),
+            )
+            for s in out
+        ]
+
+    def parked_retry(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
+        """Parked rows due again with attempts reset; an ordered row whose actor has moved on
+        to another head gets back in line behind it."""
+        rows = self.store.parked_retry(ids=ids, family=family)
+        in_line = [i for i, fam, actor in rows if actor and self._ordered(fam)]
+        if in_line:
+            self.store.requeue_behind_head(in_line)
+        return [i for i, _, _ in rows]
+
+    def parked_purge(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
+        """Delete parked rows; an ordered actor whose parked head is gone gets its next row."""
+        rows = self.store.parked_purge(ids=ids, family=family)
+        by_family: dict[str, list[str]] = {}
+        for _, fam, actor in rows:
+            if actor and self._ordered(fam):
+                by_family.setdefault(fam, []).append(actor)
+        for fam, actors in by_family.items():
+            self.store.promote_blocked(fam, actors, self.families[fam].parked_blocks)
+        return [i for i, _, _ in rows]
+
+    def _ordered(self, family: str) -> bool:
+        return family in self.families and self.families[family].ordered
 
     def close(self) -> None:
         self.store.close()
+        if self.caps is not None:
+            self.caps.close()
 
 
 def _check_conn(conn: object) -> Conn:

@@ -50,6 +50,7 @@ class Registration:
     command: str
     family: str
     fn: HandlerFn | None  # None: declared by a producer that does not deliver it
+    per_actor: int | None = None  # overrides the family's per-actor cap for this command
 
 
 class Registry:
@@ -65,7 +66,8 @@ class Registry:
         existing = self._by_command.get(reg.command)
         if existing is not None:
             if existing.fn is None and reg.fn is not None and existing.family == reg.family:
-                self._by_command[reg.command] = reg  # a declaration upgraded to a handler
+                # a declaration upgraded to a handler
+                self._by_command[reg.command] = reg
                 return
             if existing == reg:
                 return
@@ -93,3 +95,12 @@ class Registry:
 
     def commands(self) -> list[Registration]:
         return list(self._by_command.values())
+
+    def cap_override(self, command: str) -> int | None:
+        reg = self._by_command.get(command)
+        return reg.per_actor if reg else None
+
+    def capped_commands(self, family: str) -> bool:
+        return any(
+            r.family == family and r.per_actor is not None for r in self._by_command.values()
+        )

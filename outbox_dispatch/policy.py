@@ -6,6 +6,8 @@ Keeping backoff and retry-or-park pure lets them be tested exhaustively and chea
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -59,6 +61,7 @@ class Family:
     ordered: bool = False
     retention: float = 0.0
     on_lost: LostAttempt = LostAttempt.RETRY
+    parked_blocks: bool = True
 
     def __post_init__(self) -> None:
         family_name(self.name)
@@ -78,6 +81,11 @@ class Family:
             raise ConfigurationError(f"family {self.name!r}: per_actor must be None or >= 1")
         if self.retention < 0:
             raise ConfigurationError(f"family {self.name!r}: retention must be >= 0 seconds")
+        if self.ordered and self.per_actor is not None:
+            raise ConfigurationError(
+                f"family {self.name!r}: an ordered family runs one row per actor at a time "
+                "already; drop per_actor"
+            )
 
     def with_policy(self, **changes: object) -> Family:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -130,3 +138,47 @@ def decide_failure(
 def claim_limit(batch: int, max_in_flight: int, in_flight: int) -> int:
     """How many rows a claim may take: never more than the family can have in flight."""
     return max(0, min(batch, max_in_flight - in_flight))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A due row of a capped family, as the capped claim sees it (rank 1 = actor's oldest)."""
+
+    id: int
+    actor: str | None
+    command: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class CappedPlan:
+    take: list[Candidate]  # claim these (capped ones only if their slot is granted)
+    wait: list[Candidate]  # their actor is at cap: move out of the due range
+    # every other candidate stays due, untouched, for the next claim
+
+
+def plan_capped_claim(
+    candidates: Sequence[Candidate], cap_of: Callable[[Candidate], int | None], limit: int
+) -> CappedPlan:
+    """Which due rows a capped claim takes, given candidates in (rank, due) order.
+
+    Greedy in rank order, so every actor's first row is considered before any actor's second
+    one: a big backlog cannot crowd out small actors. At most ``cap`` rows per actor are taken;
+    the actor's other rows wait out of the due range instead of filling the next probe. Rows
+    without an actor or cap are uncapped and only limited by ``limit``.
+    """
+    take: list[Candidate] = []
+    wait: list[Candidate] = []
+    per_actor: Counter[str] = Counter()
+    for c in candidates:
+        cap = cap_of(c)
+        if c.actor is None or cap is None:
+            if len(take) < limit:
+                take.append(c)
+            continue
+        if per_actor[c.actor] >= cap:
+            wait.append(c)
+        elif len(take) < limit:
+            take.append(c)
+            per_actor[c.actor] += 1
+    return CappedPlan(take, wait)

@@ -5,10 +5,11 @@ Driver errors are translated here, once, into the outbox error tree.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from .errors import DatabaseError, SchemaNotReady
+from .policy import Candidate
 from .sqlfiles import queries_for
 from .validation import PreparedRow
 
@@ -44,6 +46,12 @@ class ClaimResult:
     claimed: list[Claimed]
     parked: list[int]
     limit: int
+    waiting: int = 0
+    parked_actors: tuple[str, ...] = ()
+
+
+# What a capped claim's decision returns: rows to lease with their tokens, rows to set waiting.
+CappedDecision = tuple[list[tuple[int, UUID]], list[int]]
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,9 @@ class FamilyStatus:
     cancelled: int
     done: int
     oldest_due_age: float
+    waiting: int = 0  # capped rows whose actor is at its cap
+    blocked: int = 0  # ordered rows behind their actor's head
+    actors_at_cap: int = 0
 
 
 @contextmanager
@@ -142,19 +153,49 @@ class Store:
             raise DatabaseError("enqueue raced with the deletion of its dedupe key's row: retry")
         return int(again[0])
 
-    def insert_many(self, conn: Conn, rows: Sequence[PreparedRow]) -> list[int]:
-        """One pipelined round trip for the inserts; dedupe hits are resolved after."""
+    def insert_ordered(self, conn: Conn, row: PreparedRow, *, parked_blocks: bool) -> int:
+        """Enqueue into an ordered family: the actor lock is held until the caller commits, so
+        concurrent producers of one actor get ids in commit order."""
+        params = {**_insert_params(row), "parked_blocks": parked_blocks}
+        with translated("enqueue"), conn.transaction():
+            conn.execute(
+                self.q["lock_actor"],
+                {"lock_name": _actor_lock(self.schema, row.family, row.actor or "")},
+            )
+            found = conn.execute(self.q["insert_ordered"], params).fetchone()
+            if found is None:
+                found = conn.execute(self.q["find_dedupe"], params).fetchone()
+        if found is None:
+            raise DatabaseError("enqueue raced with the deletion of its dedupe key's row: retry")
+        return int(found[0])
+
+    def insert_many(
+        self, conn: Conn, rows: Sequence[PreparedRow], ordered: Mapping[str, bool]
+    ) -> list[int]:
+        """Pipelined inserts; dedupe hits are resolved after. ``ordered`` maps each ordered
+        family to whether parked rows block; their actors are locked first, in sorted order, so
+        two producers never deadlock on each other's actors."""
         if not rows:
             return []
-        params = [_insert_params(r) for r in rows]
-        ids: list[int | None] = []
-        with translated("enqueue_many"), conn.cursor() as cur:
-            cur.executemany(self.q["insert"], params, returning=True)
-            while True:
-                got = cur.fetchone()
-                ids.append(int(got[0]) if got is not None else None)
-                if not cur.nextset():
-                    break
+        params = [{**_insert_params(r), "parked_blocks": ordered.get(r.family, True)} for r in rows]
+        in_line = [i for i, r in enumerate(rows) if r.family in ordered and r.actor is not None]
+        plain = [i for i in range(len(rows)) if i not in set(in_line)]
+        ids: list[int | None] = [None] * len(rows)
+        scope = conn.transaction() if in_line else contextlib.nullcontext()
+        with translated("enqueue_many"), scope, conn.cursor() as cur:
+            locks = sorted(
+                {_actor_lock(self.schema, rows[i].family, rows[i].actor or "") for i in in_line}
+            )
+            for name in locks:
+                cur.execute(self.q["lock_actor"], {"lock_name": name})
+            for query, group in ((self.q["insert"], plain), (self.q["insert_ordered"], in_line)):
+                if not group:
+                    continue
+                cur.executemany(query, [params[i] for i in group], returning=True)
+                for i in group:
+                    got = cur.fetchone()
+                    ids[i] = int(got[0]) if got is not None else None
+                    cur.nextset()
             for i, value in enumerate(ids):
                 if value is None:
                     found = conn.execute(self.q["find_dedupe"], params[i]).fetchone()
@@ -196,15 +237,97 @@ class Store:
                     "park_lost": park_lost,
                 },
             ).fetchall()
-        claimed: list[Claimed] = []
-        parked: list[int] = []
-        for rid, token, command, actor, attempts, exhausted, _error in rows:
-            if exhausted:
-                parked.append(int(rid))
-            else:
-                claimed.append(Claimed(int(rid), token, command, actor, int(attempts)))
-        claimed.sort(key=lambda c: c.id)
-        return ClaimResult(family, claimed, parked, limit)
+        return _claim_result(family, rows, limit)
+
+    def claim_capped(
+        self,
+        *,
+        family: str,
+        batch: int,
+        lease: float,
+        max_in_flight: int,
+        max_attempts: int | None,
+        park_lost: bool,
+        decide: Callable[[list[Candidate], int], CappedDecision],
+    ) -> ClaimResult:
+        """A claim for a family with per-actor caps. ``decide`` picks rows and takes their
+        cap slots while the candidates are locked; the shared caps lock is held to commit so a
+        rebuild of the semaphores sees every claim that took slots."""
+        from .policy import claim_limit
+
+        with translated(f"claim of family {family}"), self.connection() as conn, conn.transaction():
+            conn.execute(self.q["lock_family"], {"lock_name": f"{self.schema}.claim.{family}"})
+            conn.execute(self.q["lock_caps_shared"], {"lock_name": f"{self.schema}.caps"})
+            row = conn.execute(self.q["in_flight"], {"family": family}).fetchone()
+            limit = claim_limit(batch, max_in_flight, int(row[0]) if row else 0)
+            if limit == 0:
+                return ClaimResult(family, [], [], 0)
+            found = conn.execute(
+                self.q["capped_candidates"], {"family": family, "probe": max(4 * limit, 100)}
+            ).fetchall()
+            candidates = [Candidate(int(r[0]), r[1], r[2], int(r[3])) for r in found]
+            take, wait = decide(candidates, limit)
+            rows = []
+            if take:
+                rows = conn.execute(
+                    self.q["claim_ids"],
+                    {
+                        "ids": [i for i, _ in take],
+                        "tokens": [t for _, t in take],
+                        "lease": lease,
+                        "max_attempts": max_attempts,
+                        "park_lost": park_lost,
+                    },
+                ).fetchall()
+            if wait:
+                conn.execute(self.q["mark_waiting"], {"ids": wait, "lease": lease})
+        result = _claim_result(family, rows, limit)
+        return ClaimResult(
+            family, result.claimed, result.parked, limit, len(wait), result.parked_actors
+        )
+
+    def rebuild_caps(
+        self,
+        families: list[str],
+        restore: Callable[[list[tuple[str, str, UUID, int]]], None],
+    ) -> int:
+        """Hand every live lease of the capped families to ``restore`` under the exclusive caps
+        lock (no capped claim is between taking slots and committing meanwhile)."""
+        with translated("caps rebuild"), self.connection() as conn, conn.transaction():
+            conn.execute(self.q["lock_caps_exclusive"], {"lock_name": f"{self.schema}.caps"})
+            rows = conn.execute(self.q["live_leases"], {"families": families}).fetchall()
+            holders = [(r[0], r[1], r[2], int(r[3])) for r in rows]
+            restore(holders)
+        return len(holders)
+
+    def promote_waiting(self, family: str, actor: str, n: int = 1) -> list[int]:
+        with translated("promote waiting"), self.connection() as conn:
+            rows = conn.execute(
+                self.q["promote_waiting"], {"family": family, "actor": actor, "n": n}
+            ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def handback(self, row_id: int, token: UUID) -> bool:
+        with translated("hand back"), self.connection() as conn:
+            return (
+                conn.execute(self.q["handback"], {"id": row_id, "token": token}).fetchone()
+                is not None
+            )
+
+    def promote_blocked(self, family: str, actors: list[str], parked_blocks: bool) -> list[int]:
+        """Give actors whose head is gone their next row, under each actor's lock."""
+        if not actors:
+            return []
+        with translated("promote ordered"), self.connection() as conn, conn.transaction():
+            for actor in sorted(set(actors)):
+                conn.execute(
+                    self.q["lock_actor"], {"lock_name": _actor_lock(self.schema, family, actor)}
+                )
+            rows = conn.execute(
+                self.q["promote_blocked"],
+                {"family": family, "actors": sorted(set(actors)), "parked_blocks": parked_blocks},
+            ).fetchall()
+        return [int(r[0]) for r in rows]
 
     # -- delivery -------------------------------------------------------------------------
 
@@ -268,6 +391,46 @@ class Store:
             with self.connection() as own:
                 return own.execute(query, params).fetchone() is not None
 
+    def settle_in_line(
+        self,
+        kind: str,
+        row_id: int,
+        token: UUID,
+        *,
+        family: str,
+        actor: str,
+        parked_blocks: bool,
+        delay: float = 0.0,
+        error: str | None = None,
+    ) -> bool:
+        """Settle the head of an ordered actor and, when it leaves the line, promote the next
+        row, under the actor's lock (a producer enqueueing now waits, then sees the change)."""
+        params = {"id": row_id, "token": token, "delay": delay, "error": error}
+        leaves = kind in ("delete", "done") or (kind == "park" and not parked_blocks)
+        with translated(f"settle ({kind})"), self.connection() as conn, conn.transaction():
+            conn.execute(
+                self.q["lock_actor"], {"lock_name": _actor_lock(self.schema, family, actor)}
+            )
+            ok = conn.execute(self.q[f"settle_{kind}"], params).fetchone() is not None
+            if ok and leaves:
+                conn.execute(
+                    self.q["promote_blocked"],
+                    {"family": family, "actors": [actor], "parked_blocks": parked_blocks},
+                )
+        return ok
+
+    def cap_status(
+        self, families: list[str]
+    ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str, int]]]:
+        """Waiting and blocked counts per family, and in-flight counts per (family, actor)."""
+        with translated("status"), self.connection() as conn:
+            counts = conn.execute(self.q["cap_status"], {"families": families}).fetchall()
+            actors = conn.execute(self.q["actors_in_flight"], {"families": families}).fetchall()
+        return (
+            {r[0]: (int(r[1]), int(r[2])) for r in counts},
+            [(r[0], r[1], int(r[2])) for r in actors],
+        )
+
     # -- operations -----------------------------------------------------------------------
 
     def status(self) -> list[FamilyStatus]:
@@ -295,15 +458,24 @@ class Store:
         ):
             return cur.execute(self.q["parked_list"], {"family": family, "limit": limit}).fetchall()
 
-    def parked_retry(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
+    def parked_retry(
+        self, *, ids: list[int] | None = None, family: str | None = None
+    ) -> list[tuple[int, str, str | None]]:
         with translated("parked retry"), self.connection() as conn:
             rows = conn.execute(self.q["parked_retry"], {"ids": ids, "family": family}).fetchall()
-        return sorted(int(r[0]) for r in rows)
+        return sorted((int(r[0]), r[1], r[2]) for r in rows)
 
-    def parked_purge(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
+    def parked_purge(
+        self, *, ids: list[int] | None = None, family: str | None = None
+    ) -> list[tuple[int, str, str | None]]:
         with translated("parked purge"), self.connection() as conn:
             rows = conn.execute(self.q["parked_purge"], {"ids": ids, "family": family}).fetchall()
-        return sorted(int(r[0]) for r in rows)
+        return sorted((int(r[0]), r[1], r[2]) for r in rows)
+
+    def requeue_behind_head(self, ids: list[int]) -> list[int]:
+        with translated("parked retry"), self.connection() as conn:
+            rows = conn.execute(self.q["requeue_behind_head"], {"ids": ids}).fetchall()
+        return [int(r[0]) for r in rows]
 
 
 def _insert_params(row: PreparedRow) -> dict[str, Any]:
@@ -316,3 +488,22 @@ def _insert_params(row: PreparedRow) -> dict[str, Any]:
         "delay": row.delay_seconds,
         "at": row.at,
     }
+
+
+def _actor_lock(schema: str, family: str, actor: str) -> str:
+    return f"{schema}.actor.{family}.{actor}"
+
+
+def _claim_result(family: str, rows: Sequence[Sequence[Any]], limit: int) -> ClaimResult:
+    claimed: list[Claimed] = []
+    parked: list[int] = []
+    parked_actors: list[str] = []
+    for rid, token, command, actor, attempts, exhausted, _error in rows:
+        if exhausted:
+            parked.append(int(rid))
+            if actor is not None:
+                parked_actors.append(actor)
+        else:
+            claimed.append(Claimed(int(rid), token, command, actor, int(attempts)))
+    claimed.sort(key=lambda c: c.id)
+    return ClaimResult(family, claimed, parked, limit, 0, tuple(parked_actors))

@@ -53,6 +53,7 @@ UPDATE __SCHEMA__.outbox o SET
     claim_token = CASE WHEN j.exhausted THEN NULL ELSE gen_random_uuid() END,
     claimed_at = CASE WHEN j.exhausted THEN NULL ELSE now() END,
     started_at = NULL,
+    waiting = false,
     parked_at = CASE WHEN j.exhausted THEN now() END,
     due_at = CASE WHEN j.exhausted THEN o.due_at ELSE now() + make_interval(secs => %(lease)s) END
 FROM judged j
@@ -128,11 +129,183 @@ UPDATE __SCHEMA__.outbox SET parked_at = NULL, attempts = 0, due_at = now(),
 WHERE parked_at IS NOT NULL
   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
   AND (%(family)s::text IS NULL OR family = %(family)s)
-RETURNING id;
+RETURNING id, family, actor;
 
 -- name: parked_purge
 DELETE FROM __SCHEMA__.outbox
 WHERE parked_at IS NOT NULL
   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
   AND (%(family)s::text IS NULL OR family = %(family)s)
+RETURNING id, family, actor;
+
+-- name: lock_actor
+-- Serializes enqueue and head changes of one actor of an ordered family, held to commit.
+SELECT pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
+
+-- name: insert_ordered
+-- Run under lock_actor. The row becomes the actor's head when the actor has no unsettled row
+-- (a parked one counts while parked rows block); otherwise it waits, blocked, behind it.
+WITH head AS (
+    SELECT EXISTS (
+        SELECT 1 FROM __SCHEMA__.outbox h
+        WHERE h.family = %(family)s AND h.actor = %(actor)s
+          AND h.cancelled_at IS NULL AND h.done_at IS NULL
+          AND (h.parked_at IS NULL OR %(parked_blocks)s)
+    ) AS taken
+), due AS (
+    SELECT coalesce(%(at)s::timestamptz, now()) + make_interval(secs => %(delay)s) AS at
+)
+INSERT INTO __SCHEMA__.outbox
+    (family, command, actor, payload, dedupe_key, due_at, ready_at, blocked)
+SELECT %(family)s, %(command)s, %(actor)s, %(payload)s::jsonb, %(dedupe_key)s,
+       CASE WHEN head.taken THEN 'infinity'::timestamptz ELSE due.at END, due.at, head.taken
+FROM head, due
+ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
 RETURNING id;
+
+-- name: promote_blocked
+-- Run under lock_actor for each actor named. For each actor of the family that has blocked
+-- rows but no head any more, the lowest blocked id becomes the head.
+UPDATE __SCHEMA__.outbox o SET blocked = false, due_at = greatest(o.ready_at, now())
+FROM (
+    SELECT DISTINCT ON (b.actor) b.id
+    FROM __SCHEMA__.outbox b
+    WHERE b.family = %(family)s AND b.actor = ANY(%(actors)s::text[]) AND b.blocked
+      AND b.cancelled_at IS NULL AND b.done_at IS NULL
+      AND NOT EXISTS (
+          SELECT 1 FROM __SCHEMA__.outbox h
+          WHERE h.family = b.family AND h.actor = b.actor AND NOT h.blocked
+            AND h.cancelled_at IS NULL AND h.done_at IS NULL
+            AND (h.parked_at IS NULL OR %(parked_blocks)s)
+      )
+    ORDER BY b.actor, b.id
+) n
+WHERE o.id = n.id
+RETURNING o.id;
+
+-- name: requeue_behind_head
+-- A parked row of an ordered family retried while its actor has another head gets back in
+-- line (blocked) instead of running beside that head.
+UPDATE __SCHEMA__.outbox o SET blocked = true, ready_at = now(), due_at = 'infinity'
+WHERE o.id = ANY(%(ids)s::bigint[]) AND o.actor IS NOT NULL
+  AND EXISTS (
+      SELECT 1 FROM __SCHEMA__.outbox h
+      WHERE h.family = o.family AND h.actor = o.actor AND h.id <> o.id AND NOT h.blocked
+        AND h.cancelled_at IS NULL AND h.done_at IS NULL AND h.parked_at IS NULL
+  )
+RETURNING o.id;
+
+-- name: capped_candidates
+-- Due rows of a capped family, ranked per actor, all from the outbox_due index range; rows with
+-- no actor rank 1 (uncapped). Locked (SKIP LOCKED) in rank order, so the first row of every
+-- actor comes before the second row of any, and one actor's backlog cannot fill the probe.
+WITH due AS (
+    SELECT id, actor, due_at FROM __SCHEMA__.outbox
+    WHERE family = %(family)s AND due_at <= now()
+      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+    ORDER BY due_at
+    LIMIT %(probe)s
+),
+ranked AS MATERIALIZED (
+    SELECT id, due_at,
+           CASE WHEN actor IS NULL THEN 1
+                ELSE row_number() OVER (PARTITION BY actor ORDER BY due_at, id) END AS rank
+    FROM due
+)
+SELECT o.id, o.actor, o.command, r.rank
+FROM __SCHEMA__.outbox o JOIN ranked r USING (id)
+WHERE o.due_at <= now() AND o.parked_at IS NULL AND o.cancelled_at IS NULL AND o.done_at IS NULL
+ORDER BY r.rank, r.due_at, o.id
+FOR UPDATE OF o SKIP LOCKED;
+
+-- name: claim_ids
+-- Lease the rows the capped claim picked, under the tokens their cap slots were taken with.
+-- Same attempt accounting as `claim`.
+WITH picked AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
+),
+judged AS (
+    SELECT o.id, p.token,
+           o.started_at IS NOT NULL AS lost,
+           o.started_at IS NOT NULL AND (
+               %(park_lost)s OR (%(max_attempts)s::int IS NOT NULL
+                                 AND o.attempts >= %(max_attempts)s::int)
+           ) AS exhausted
+    FROM __SCHEMA__.outbox o JOIN picked p USING (id)
+)
+UPDATE __SCHEMA__.outbox o SET
+    attempts = CASE
+        WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
+        ELSE o.attempts + 1 END,
+    maybe_applied = o.maybe_applied OR j.lost,
+    last_error = CASE WHEN j.lost
+        THEN 'attempt ' || o.attempts || ' ended without an outcome (worker died or lease ran out)'
+        ELSE o.last_error END,
+    claim_token = CASE WHEN j.exhausted THEN NULL ELSE j.token END,
+    claimed_at = CASE WHEN j.exhausted THEN NULL ELSE now() END,
+    started_at = NULL,
+    waiting = false,
+    parked_at = CASE WHEN j.exhausted THEN now() END,
+    due_at = CASE WHEN j.exhausted THEN o.due_at ELSE now() + make_interval(secs => %(lease)s) END
+FROM judged j
+WHERE o.id = j.id
+RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.last_error;
+
+-- name: mark_waiting
+-- Rows whose actor is at its cap leave the due range for one lease, or until a slot frees.
+UPDATE __SCHEMA__.outbox SET waiting = true, due_at = now() + make_interval(secs => %(lease)s)
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id;
+
+-- name: promote_waiting
+-- A freed slot makes the actor's oldest waiting row due now.
+UPDATE __SCHEMA__.outbox o SET waiting = false, due_at = now()
+FROM (
+    SELECT id FROM __SCHEMA__.outbox
+    WHERE family = %(family)s AND actor = %(actor)s AND waiting
+      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+    ORDER BY id
+    LIMIT %(n)s
+    FOR UPDATE SKIP LOCKED
+) w
+WHERE o.id = w.id
+RETURNING o.id;
+
+-- name: handback
+-- A delivery that may not start (its cap slot lapsed) returns the row, uncounted, due now.
+UPDATE __SCHEMA__.outbox SET claim_token = NULL, claimed_at = NULL, started_at = NULL,
+    due_at = now(), attempts = greatest(attempts - 1, 0)
+WHERE id = %(id)s AND claim_token = %(token)s
+RETURNING id;
+
+-- name: live_leases
+-- Rows holding a live lease in capped families: what the cap semaphores must contain.
+SELECT family, actor, claim_token,
+       greatest(0, (extract(epoch FROM due_at - now()) * 1000)::bigint) AS remaining_ms
+FROM __SCHEMA__.outbox
+WHERE family = ANY(%(families)s::text[]) AND actor IS NOT NULL
+  AND claim_token IS NOT NULL AND due_at > now();
+
+-- name: lock_caps_shared
+-- Capped claims hold this shared; a rebuild of the semaphores takes it exclusively, so it
+-- sees every claim that took slots before Redis lost them.
+SELECT pg_advisory_xact_lock_shared(hashtextextended(%(lock_name)s, 0));
+
+-- name: lock_caps_exclusive
+SELECT pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
+
+-- name: cap_status
+SELECT family,
+       count(*) FILTER (WHERE waiting) AS waiting,
+       count(*) FILTER (WHERE blocked) AS blocked
+FROM __SCHEMA__.outbox
+WHERE family = ANY(%(families)s::text[]) AND parked_at IS NULL AND cancelled_at IS NULL
+  AND done_at IS NULL AND (waiting OR blocked)
+GROUP BY family;
+
+-- name: actors_in_flight
+SELECT family, actor, count(*) AS in_flight
+FROM __SCHEMA__.outbox
+WHERE family = ANY(%(families)s::text[]) AND actor IS NOT NULL
+  AND claim_token IS NOT NULL AND due_at > now()
+GROUP BY family, actor;

@@ -1,0 +1,175 @@
+"""Per-actor concurrency caps: one Redis semaphore per (family, actor).
+
+A semaphore is a sorted set of holder tokens (the rows' claim tokens) scored by lease end in
+Redis server time, so a holder that dies simply expires; a counter with a TTL would leak. The
+scripts are loaded once and run by SHA. Keys carry a hash tag per actor, so on Redis Cluster
+one actor's keys share a slot; the completeness sentinel is checked inside the acquire script
+and therefore needs a single Redis (or a primary with replicas), not a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis
+
+from .errors import ConfigurationError, OutboxError
+from .logs import event, mask_dsn
+
+log = logging.getLogger(__name__)
+
+
+class CapsUnavailable(OutboxError):
+    """Redis is unreachable, so capped rows cannot be claimed: they wait in Postgres until it is
+    back. Check the redis_url and that Redis is running."""
+
+
+class CapsIncomplete(OutboxError):
+    """Redis lost its semaphores (restart or flush): they must be rebuilt before claiming."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    family: str
+    actor: str
+    token: uuid.UUID
+    cap: int
+
+
+def _script(name: str) -> str:
+    return resources.files("outbox_dispatch").joinpath("lua", name).read_text("utf-8")
+
+
+class Caps:
+    """Acquire, renew, release and restore cap slots. Connects lazily."""
+
+    def __init__(self, redis_url: str, prefix: str) -> None:
+        if any(c in prefix for c in "{} \n"):
+            raise ConfigurationError(f"cap key prefix {prefix!r} must not contain braces or spaces")
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.sentinel = f"{prefix}:caps:complete"
+        self._client: redis.Redis | None = None
+        self._lock = threading.Lock()
+        self._scripts: dict[str, Any] = {}
+
+    @property
+    def client(self) -> redis.Redis:
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    client = redis.Redis.from_url(
+                        self.redis_url, socket_timeout=5, socket_connect_timeout=5
+                    )
+                    for name in ("acquire", "renew", "restore"):
+                        self._scripts[name] = client.register_script(_script(f"{name}.lua"))
+                    self._client = client
+        return self._client
+
+    def key(self, family: str, actor: str) -> str:
+        return f"{self.prefix}:cap:{{{family}:{actor}}}"
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> int:
+        client = self.client
+        try:
+            return int(self._scripts[name](keys=keys, args=args, client=client))
+        except redis.RedisError as exc:
+            raise CapsUnavailable(
+                f"cap {name} failed: Redis at {mask_dsn(self.redis_url)} answered {exc!r}; "
+                "capped rows wait in Postgres until it is back"
+            ) from exc
+
+    def acquire_many(self, slots: Sequence[Slot], lease: float) -> list[bool]:
+        """One round trip for every slot of a claim; raises CapsIncomplete after a data loss."""
+        if not slots:
+            return []
+        client = self.client
+        ms = int(lease * 1000)
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                for s in slots:
+                    self._scripts["acquire"](
+                        keys=[self.key(s.family, s.actor), self.sentinel],
+                        args=[str(s.token), s.cap, ms],
+                        client=pipe,
+                    )
+                results = [int(r) for r in pipe.execute()]
+        except redis.RedisError as exc:
+            raise CapsUnavailable(
+                f"cap acquire failed: Redis at {mask_dsn(self.redis_url)} answered {exc!r}; "
+                "capped rows wait in Postgres until it is back"
+            ) from exc
+        if any(r == -1 for r in results):
+            # Slots granted before the sentinel check failed are released by the caller's
+            # rollback path: it releases every slot of the claim.
+            raise CapsIncomplete()
+        return [r == 1 for r in results]
+
+    def renew(self, family: str, actor: str, token: uuid.UUID, lease: float) -> int:
+        """1 renewed, 0 lapsed (another row may hold the slot), -1 semaphores being rebuilt."""
+        return self._run(
+            "renew", [self.key(family, actor), self.sentinel], [str(token), int(lease * 1000)]
+        )
+
+    def release(self, family: str, actor: str, token: uuid.UUID) -> None:
+        try:
+            self.client.zrem(self.key(family, actor), str(token))
+        except redis.RedisError as exc:
+            # The slot expires with its lease anyway; the cap stays safe, only slower.
+            event(
+                log,
+                logging.WARNING,
+                "cap_release_failed",
+                f"Redis did not answer ({exc!r}); the slot frees when its lease ends",
+                family=family,
+                actor=actor,
+            )
+
+    def release_many(self, slots: Sequence[Slot]) -> None:
+        for s in slots:
+            self.release(s.family, s.actor, s.token)
+
+    def complete(self) -> bool:
+        try:
+            return bool(self.client.exists(self.sentinel))
+        except redis.RedisError as exc:
+            raise CapsUnavailable(f"Redis at {mask_dsn(self.redis_url)}: {exc!r}") from exc
+
+    def restore(self, holders: Sequence[tuple[str, str, uuid.UUID, int]]) -> None:
+        """Put back (family, actor, token, remaining ms) holders, then mark the set complete."""
+        client = self.client
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                for family, actor, token, remaining in holders:
+                    self._scripts["restore"](
+                        keys=[self.key(family, actor)], args=[str(token), remaining], client=pipe
+                    )
+                pipe.set(self.sentinel, str(uuid.uuid4()))
+                pipe.execute()
+        except redis.RedisError as exc:
+            raise CapsUnavailable(f"cap rebuild failed: {exc!r}") from exc
+
+    def holders(self, family: str, actor: str) -> list[str]:
+        """Live holder tokens (for status and tests)."""
+        t = self.client.time()
+        now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
+        raw = self.client.zrangebyscore(self.key(family, actor), now_ms, "+inf")
+        return [m.decode() if isinstance(m, bytes) else str(m) for m in raw]
+
+    def wake_once(self, window_ms: int = 50) -> bool:
+        """True for the first caller in each window: coalesces claimer wake-ups under load."""
+        try:
+            return bool(self.client.set(f"{self.prefix}:wake", "1", nx=True, px=window_ms))
+        except redis.RedisError:
+            return False
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
