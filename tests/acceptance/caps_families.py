@@ -1,0 +1,11 @@
+"""Families of the caps tests, shared by the worker app and the tests' producer."""
+
+from __future__ import annotations
+
+from outbox_dispatch import Backoff, Dispatcher
+
+
+def declare_families(d: Dispatcher, lease: float) -> None:
+    d.family("capped", per_actor=2, lease=lease, max_in_flight=200)
+    d.family("fair", per_actor=1, lease=lease, max_in_flight=200)
+    d.family("lined", ordered=True, lease=lease, max_attempts=10, backoff=Backoff(0.05, 0.2))

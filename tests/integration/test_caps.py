@@ -1,0 +1,232 @@
+"""Caps in one process: slots, waiting rows, promotion on release, the rebuild after Redis
+loses its data, and ordered families' head-of-line rules."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from celery import Celery
+
+from outbox_dispatch import Backoff, Context, Dispatcher, Message, Outcome
+from outbox_dispatch.caps import Caps
+from tests.conftest import count_rows
+
+CAPS_REDIS_DB = 13  # flushed by these tests: nothing else may live there
+
+
+@pytest.fixture(scope="module")
+def caps_url(redis_url: str) -> str:
+    return redis_url.rsplit("/", 1)[0] + f"/{CAPS_REDIS_DB}"
+
+
+@pytest.fixture(scope="module")
+def capped(database_url: str, schema: str, caps_url: str, run_id: str) -> Iterator[Dispatcher]:
+    app = Celery("caps_tests", broker=caps_url, set_as_current=False)
+    app.conf.update(task_ignore_result=True)
+    d = Dispatcher(
+        app, database_url=database_url, redis_url=caps_url, schema=schema, key_prefix=f"t{run_id}"
+    )
+    d.family("capped", per_actor=2, lease=30, max_attempts=3, backoff=Backoff(0.01, 0.01, 0))
+    d.family("lined", ordered=True, lease=30, max_attempts=2, backoff=Backoff(0.01, 0.01, 0))
+    d.family("passing", ordered=True, lease=30, max_attempts=1, parked_blocks=False)
+    yield d
+    d.close()
+    redis.Redis.from_url(caps_url).flushdb()
+
+
+@pytest.fixture
+def record(capped: Dispatcher) -> Callable[..., str]:
+    seen: list[tuple[str, Any]] = []
+
+    def make(family: str, fn: Callable[[Context, Any], Any] | None = None, **kw: Any) -> str:
+        name = f"c.{uuid.uuid4().hex[:8]}"
+
+        def handler(ctx: Context, payload: Any) -> None:
+            seen.append((ctx.actor or "", payload))
+            if fn:
+                fn(ctx, payload)
+
+        capped.handler(name, family=family, **kw)(handler)
+        return name
+
+    make.seen = seen  # type: ignore[attr-defined]
+    return make
+
+
+def _enqueue(d: Dispatcher, database_url: str, msgs: list[Message]) -> list[int]:
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        return d.enqueue_many(conn, msgs)
+
+
+def test_capped_claim_takes_slots_and_sets_the_rest_waiting(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    cmd = record("capped")
+    msgs = [Message(cmd, {"i": i}, actor="A") for i in range(10)]
+    msgs += [Message(cmd, {"i": i}, actor="B") for i in range(5)]
+    msgs += [Message(cmd, {"i": i}) for i in range(3)]  # no actor: uncapped
+    _enqueue(capped, database_url, msgs)
+    fam = capped.families["capped"]
+    result = capped.claimer.claim_family(fam)
+    by_actor: dict[str | None, int] = {}
+    for c in result.claimed:
+        by_actor[c.actor] = by_actor.get(c.actor, 0) + 1
+    assert by_actor == {"A": 2, "B": 2, None: 3}
+    assert result.waiting == 8 + 3
+    assert capped.caps is not None
+    assert sorted(capped.caps.holders("capped", "A")) == sorted(
+        str(c.token) for c in result.claimed if c.actor == "A"
+    )
+    # nothing more for A or B until a slot frees: waiting rows are out of the due range
+    assert capped.claimer.claim_family(fam).claimed == []
+    status = {s.family: s for s in capped.status()}["capped"]
+    assert (status.waiting, status.actors_at_cap, status.in_flight) == (11, 2, 7)
+
+    # delivering one of A's rows frees its slot and makes A's oldest waiting row due
+    first_a = next(c for c in result.claimed if c.actor == "A")
+    assert capped.delivery.deliver(first_a.id, first_a.token).outcome is Outcome.DELIVERED
+    assert len(capped.caps.holders("capped", "A")) == 1
+    again = capped.claimer.claim_family(fam)
+    assert [c.actor for c in again.claimed] == ["A"]
+    assert len(capped.caps.holders("capped", "A")) == 2
+
+
+def test_drain_delivers_every_capped_row(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    cmd = record("capped")
+    ids = _enqueue(
+        capped, database_url, [Message(cmd, {"i": i}, actor=f"a{i % 3}") for i in range(30)]
+    )
+    report = capped.drain(timeout=20)
+    assert report.delivered == 30
+    assert count_rows(database_url, capped.schema, f"id = ANY(ARRAY{ids})") == 0
+
+
+def test_handler_cap_overrides_the_family_cap(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    one = record("capped", per_actor=1)
+    _enqueue(capped, database_url, [Message(one, {}, actor="Z") for _ in range(4)])
+    result = capped.claimer.claim_family(capped.families["capped"])
+    assert len(result.claimed) == 1 and result.waiting == 3
+
+
+def test_redis_data_loss_rebuilds_the_semaphores_before_claiming(
+    capped: Dispatcher, record: Callable[..., str], database_url: str, caps_url: str
+) -> None:
+    cmd = record("capped")
+    _enqueue(capped, database_url, [Message(cmd, {}, actor="R") for _ in range(6)])
+    fam = capped.families["capped"]
+    first = capped.claimer.claim_family(fam)
+    assert len(first.claimed) == 2
+    redis.Redis.from_url(caps_url).flushdb()  # Redis restarts empty
+    # the waiting rows come due again (as after one lease): the claim must not hand out
+    # fresh slots while the two claimed rows still hold live leases
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'UPDATE "{capped.schema}".outbox SET due_at = now() WHERE waiting')
+    second = capped.claimer.claim_family(fam)
+    assert second.claimed == []
+    assert capped.caps is not None
+    assert sorted(capped.caps.holders("capped", "R")) == sorted(str(c.token) for c in first.claimed)
+
+
+def test_redis_down_pauses_capped_rows_but_not_uncapped_ones(
+    capped: Dispatcher, record: Callable[..., str], database_url: str, schema: str
+) -> None:
+    cmd = record("capped")
+    _enqueue(capped, database_url, [Message(cmd, {}, actor="D"), Message(cmd, {})])
+    broken = Caps("redis://127.0.0.1:1/0", "nowhere")  # nothing listens on port 1
+    saved = capped.claimer.caps
+    capped.claimer.caps = broken
+    try:
+        result = capped.claimer.claim_family(capped.families["capped"])
+    finally:
+        capped.claimer.caps = saved
+    assert [c.actor for c in result.claimed] == [None]
+    assert (
+        count_rows(database_url, schema, "actor = 'D' AND NOT waiting AND claim_token IS NULL") == 1
+    )
+
+
+def test_ordered_family_runs_one_row_per_actor_in_enqueue_order(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    fail_once = {"x": True}
+
+    def maybe_fail(ctx: Context, payload: Any) -> None:
+        if payload["n"] == 1 and fail_once["x"]:
+            fail_once["x"] = False
+            raise RuntimeError("first try of row 1 fails")
+
+    cmd = record("lined", maybe_fail)
+    from datetime import timedelta
+
+    msgs = [Message(cmd, {"n": n}, actor="O") for n in range(5)]
+    msgs[0] = Message(cmd, {"n": 0}, actor="O", delay=timedelta(milliseconds=200))  # delayed head
+    msgs.append(Message(cmd, {"n": 0}, actor="P"))
+    _enqueue(capped, database_url, msgs)
+    fam = capped.families["lined"]
+    result = capped.claimer.claim_family(fam)
+    assert [c.actor for c in result.claimed] == ["P"]  # O's head is delayed: O waits for it
+    status = {s.family: s for s in capped.status()}["lined"]
+    assert status.blocked == 4
+
+    import time
+
+    time.sleep(0.25)
+    for c in result.claimed:
+        capped.delivery.deliver(c.id, c.token)
+    deadline = time.monotonic() + 10
+    while count_rows(database_url, capped.schema, "family = 'lined' AND parked_at IS NULL") > 0:
+        step = capped.claimer.claim_family(fam)
+        assert len([c for c in step.claimed if c.actor == "O"]) <= 1, "two rows of O at once"
+        for c in step.claimed:
+            capped.delivery.deliver(c.id, c.token)
+        time.sleep(0.02)
+        assert time.monotonic() < deadline
+    seen = [p["n"] for a, p in record.seen if a == "O"]  # type: ignore[attr-defined]
+    assert seen == [0, 1, 1, 2, 3, 4]  # row 1 failed once and was retried before row 2
+
+
+def test_parked_head_blocks_its_actor_until_retried_or_purged(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    broken = {"on": True}
+
+    def fail(ctx: Context, payload: Any) -> None:
+        if broken["on"] and payload["n"] == 0:
+            raise RuntimeError("head fails")
+
+    cmd = record("lined", fail)  # lined: max_attempts=2, parked rows block
+    ids = _enqueue(capped, database_url, [Message(cmd, {"n": n}, actor="Q") for n in range(3)])
+    import time
+
+    for _ in range(3):
+        capped.drain(timeout=5)
+        time.sleep(0.03)
+    assert count_rows(database_url, capped.schema, f"id = {ids[0]} AND parked_at IS NOT NULL") == 1
+    assert count_rows(database_url, capped.schema, f"id > {ids[0]} AND blocked") == 2
+    broken["on"] = False
+    assert capped.parked_retry(ids=[ids[0]]) == [ids[0]]
+    capped.drain(timeout=5)
+    assert [p["n"] for a, p in record.seen if a == "Q"][-3:] == [0, 1, 2]  # type: ignore[attr-defined]
+
+
+def test_parked_head_lets_later_rows_pass_when_the_family_says_so(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    def fail(ctx: Context, payload: Any) -> None:
+        if payload["n"] == 0:
+            raise RuntimeError("head fails")
+
+    cmd = record("passing", fail)  # max_attempts=1, parked_blocks=False
+    ids = _enqueue(capped, database_url, [Message(cmd, {"n": n}, actor="S") for n in range(3)])
+    capped.drain(timeout=5)
+    assert [p["n"] for a, p in record.seen if a == "S"] == [0, 1, 2]  # type: ignore[attr-defined]
+    assert count_rows(database_url, capped.schema, f"id = {ids[0]} AND parked_at IS NOT NULL") == 1
