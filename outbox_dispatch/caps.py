@@ -49,12 +49,13 @@ def _script(name: str) -> str:
 class Caps:
     """Acquire, renew, release and restore cap slots. Connects lazily."""
 
-    def __init__(self, redis_url: str, prefix: str) -> None:
+    def __init__(self, redis_url: str, prefix: str, *, wake_window: float = 0.1) -> None:
         if any(c in prefix for c in "{} \n"):
             raise ConfigurationError(f"cap key prefix {prefix!r} must not contain braces or spaces")
         self.redis_url = redis_url
         self.prefix = prefix
         self.sentinel = f"{prefix}:caps:complete"
+        self.wake_ms = max(1, int(wake_window * 1000))
         self._client: redis.Redis | None = None
         self._lock = threading.Lock()
         self._scripts: dict[str, Any] = {}
@@ -67,7 +68,7 @@ class Caps:
                     client = redis.Redis.from_url(
                         self.redis_url, socket_timeout=5, socket_connect_timeout=5
                     )
-                    for name in ("acquire", "renew", "restore"):
+                    for name in ("acquire", "renew", "restore", "release", "take_freed"):
                         self._scripts[name] = client.register_script(_script(f"{name}.lua"))
                     self._client = client
         return self._client
@@ -117,23 +118,73 @@ class Caps:
             "renew", [self.key(family, actor), self.sentinel], [str(token), int(lease * 1000)]
         )
 
-    def release(self, family: str, actor: str, token: uuid.UUID) -> None:
+    def freed_key(self, family: str) -> str:
+        return f"{self.prefix}:caps:freed:{family}"
+
+    def release(self, family: str, actor: str, token: uuid.UUID) -> bool:
+        """Free the slot and note it for the claimer, which lets the actor's next waiting row in.
+        Returns True when the caller should wake the claimer (once per wake window)."""
         try:
-            self.client.zrem(self.key(family, actor), str(token))
-        except redis.RedisError as exc:
+            return (
+                self._run(
+                    "release",
+                    [
+                        self.key(family, actor),
+                        self.freed_key(family),
+                        f"{self.prefix}:wake:{family}",
+                    ],
+                    [str(token), actor, self.wake_ms],
+                )
+                == 1
+            )
+        except CapsUnavailable as exc:
             # The slot expires with its lease anyway; the cap stays safe, only slower.
             event(
                 log,
                 logging.WARNING,
                 "cap_release_failed",
-                f"Redis did not answer ({exc!r}); the slot frees when its lease ends",
+                f"{exc}; the slot frees when its lease ends",
                 family=family,
                 actor=actor,
             )
+            return False
 
     def release_many(self, slots: Sequence[Slot]) -> None:
-        for s in slots:
-            self.release(s.family, s.actor, s.token)
+        """Return slots a claim took but did not use (nothing was settled: no freed note)."""
+        if not slots:
+            return
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for s in slots:
+                    pipe.zrem(self.key(s.family, s.actor), str(s.token))
+                pipe.execute()
+        except redis.RedisError as exc:
+            event(log, logging.WARNING, "cap_release_failed", f"{exc!r}; slots expire with lease")
+
+    def take_freed(self, family: str) -> dict[str, int]:
+        """Actors whose slots freed since the last claim, with how many."""
+        raw = self._run_list("take_freed", [self.freed_key(family)])
+        pairs = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
+        return {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+
+    def give_back_freed(self, family: str, freed: dict[str, int]) -> None:
+        """A claim that took freed counts and then failed puts them back."""
+        if not freed:
+            return
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for actor, n in freed.items():
+                    pipe.hincrby(self.freed_key(family), actor, n)
+                pipe.execute()
+        except redis.RedisError:
+            pass  # the waiting rows come due after one lease anyway
+
+    def _run_list(self, name: str, keys: list[str]) -> list[Any]:
+        client = self.client
+        try:
+            return list(self._scripts[name](keys=keys, args=[], client=client))
+        except redis.RedisError as exc:
+            raise CapsUnavailable(f"cap {name} failed: {exc!r}") from exc
 
     def complete(self) -> bool:
         try:
@@ -161,13 +212,6 @@ class Caps:
         now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
         raw = self.client.zrangebyscore(self.key(family, actor), now_ms, "+inf")
         return [m.decode() if isinstance(m, bytes) else str(m) for m in raw]
-
-    def wake_once(self, window_ms: int = 50) -> bool:
-        """True for the first caller in each window: coalesces claimer wake-ups under load."""
-        try:
-            return bool(self.client.set(f"{self.prefix}:wake", "1", nx=True, px=window_ms))
-        except redis.RedisError:
-            return False
 
     def close(self) -> None:
         if self._client is not None:

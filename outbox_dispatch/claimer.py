@@ -147,6 +147,10 @@ class Claimer:
             return [(c.id, tokens[c.id]) for c in plan.take if c.id not in refused], wait
 
         try:
+            freed = caps.take_freed(family.name)
+        except CapsUnavailable:
+            freed = {}
+        try:
             result = self.store.claim_capped(
                 family=family.name,
                 batch=batch,
@@ -155,9 +159,11 @@ class Claimer:
                 max_attempts=family.max_attempts,
                 park_lost=family.on_lost is LostAttempt.PARK,
                 decide=decide,
+                freed=freed,
             )
         except BaseException:
             caps.release_many(list(taken.values()))  # the claim rolled back: give slots back
+            caps.give_back_freed(family.name, freed)
             raise
         # rows parked at claim (their last attempt was lost) do not keep the slot they took
         caps.release_many([taken[i] for i in result.parked if i in taken])
@@ -170,11 +176,14 @@ class Claimer:
 
     # -- the claim loop ---------------------------------------------------------------------
 
-    def run(self, publish: Publisher, *, budget: float = 1.0) -> ClaimReport:
-        """Claim and publish every family until none fills a batch or ``budget`` seconds pass."""
+    def run(
+        self, publish: Publisher, *, budget: float = 1.0, only: list[str] | None = None
+    ) -> ClaimReport:
+        """Claim and publish every family (or those in ``only``) until none fills a batch or
+        ``budget`` seconds pass."""
         report = ClaimReport()
         deadline = time.monotonic() + budget
-        pending = list(self.families.values())
+        pending = [f for f in self.families.values() if only is None or f.name in only]
         while pending:
             report.rounds += 1
             full: list[Family] = []

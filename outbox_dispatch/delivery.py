@@ -69,7 +69,7 @@ class Delivery:
         *,
         caps: Caps | None = None,
         is_capped: Callable[[Family], bool] = lambda f: f.per_actor is not None,
-        wake: Callable[[], None] = lambda: None,
+        wake: Callable[[str], None] = lambda family: None,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.store = store
@@ -218,10 +218,10 @@ class Delivery:
         if family is not None and self._capped(started, family):
             assert self.caps is not None
             assert started.actor is not None
-            # release only after the settle: the slot covers the row until it is settled
-            self.caps.release(started.family, started.actor, started.token)
-            if self.store.promote_waiting(started.family, started.actor, 1):
-                self.wake()
+            # release only after the settle: the slot covers the row until it is settled; the
+            # claimer then lets one waiting row of the actor in
+            if self.caps.release(started.family, started.actor, started.token):
+                self.wake(started.family)
         return ok
 
     def _failed(self, started: Started, family: Family, exc: Exception) -> Result:

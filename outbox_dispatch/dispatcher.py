@@ -204,12 +204,13 @@ class Dispatcher:
         override = self.registry.cap_override(command)
         return override if override is not None else family.per_actor
 
-    def wake(self) -> None:
-        """Ask for a claim pass now (a slot freed); coalesced to one per 50 ms."""
-        if self.caps is None or not self.caps.wake_once():
-            return
+    def wake(self, family: str) -> None:
+        """Ask for a claim pass of ``family`` now (a slot freed; the release script coalesces
+        wakes to one per window)."""
         try:
-            self._claim_task.apply_async(queue=self.claim_queue, expires=self.claim_interval)
+            self._claim_task.apply_async(
+                ([family],), queue=self.claim_queue, expires=self.claim_interval
+            )
         except Exception as exc:  # the beat entry claims anyway; a wake is only a speed-up
             event(log, logging.WARNING, "wake_failed", f"could not send a claim wake: {exc!r}")
 
@@ -291,9 +292,12 @@ class Dispatcher:
                     **message_options(family, row, queue),
                 )
 
-    def claim_and_publish(self) -> ClaimReport:
-        """One claimer pass (the beat task): claim each family's due rows and publish them."""
-        report = self.claimer.run(lambda f, rows: self.publish(f, rows), budget=self.claim_interval)
+    def claim_and_publish(self, families: list[str] | None = None) -> ClaimReport:
+        """One claimer pass (the beat task): claim each family's (or the named families') due
+        rows and publish them."""
+        report = self.claimer.run(
+            lambda f, rows: self.publish(f, rows), budget=self.claim_interval, only=families
+        )
         if report.total:
             event(log, logging.INFO, "claim_pass", f"published {report.claimed}")
         return report

@@ -249,6 +249,7 @@ class Store:
         max_attempts: int | None,
         park_lost: bool,
         decide: Callable[[list[Candidate], int], CappedDecision],
+        freed: Mapping[str, int] | None = None,
     ) -> ClaimResult:
         """A claim for a family with per-actor caps. ``decide`` picks rows and takes their
         cap slots while the candidates are locked; the shared caps lock is held to commit so a
@@ -258,6 +259,11 @@ class Store:
         with translated(f"claim of family {family}"), self.connection() as conn, conn.transaction():
             conn.execute(self.q["lock_family"], {"lock_name": f"{self.schema}.claim.{family}"})
             conn.execute(self.q["lock_caps_shared"], {"lock_name": f"{self.schema}.caps"})
+            if freed:
+                conn.execute(
+                    self.q["promote_freed"],
+                    {"family": family, "actors": list(freed), "counts": list(freed.values())},
+                )
             row = conn.execute(self.q["in_flight"], {"family": family}).fetchone()
             limit = claim_limit(batch, max_in_flight, int(row[0]) if row else 0)
             if limit == 0:
@@ -299,13 +305,6 @@ class Store:
             holders = [(r[0], r[1], r[2], int(r[3])) for r in rows]
             restore(holders)
         return len(holders)
-
-    def promote_waiting(self, family: str, actor: str, n: int = 1) -> list[int]:
-        with translated("promote waiting"), self.connection() as conn:
-            rows = conn.execute(
-                self.q["promote_waiting"], {"family": family, "actor": actor, "n": n}
-            ).fetchall()
-        return [int(r[0]) for r in rows]
 
     def handback(self, row_id: int, token: UUID) -> bool:
         with translated("hand back"), self.connection() as conn:

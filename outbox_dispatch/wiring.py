@@ -34,7 +34,7 @@ def write_settings(app: Celery) -> None:
 def register_tasks(
     app: Celery,
     deliver: Callable[[tuple[Any, ...], str | None], object],
-    claim: Callable[[], object],
+    claim: Callable[[list[str] | None], object],
 ) -> tuple[Any, Any]:
     """The delivery task takes raw args so a garbage message reaches our check, not a TypeError."""
 
@@ -52,8 +52,10 @@ def register_tasks(
         deliver(args, info.get("routing_key"))
 
     @app.task(name=CLAIM_TASK, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
-    def claim_task() -> None:
-        claim()
+    def claim_task(families: Any = None) -> None:
+        # a wake names the family whose slot freed; beat passes nothing: every family
+        names = [f for f in families if isinstance(f, str)] if isinstance(families, list) else None
+        claim(names)
 
     return deliver_task, claim_task
 

@@ -39,6 +39,14 @@ def noop(n: int) -> None:
     bump()
 
 
-@dispatcher.handler("bench.noop", family="intent")
+dispatcher.family("uncapped", lease=60, max_in_flight=1000)
+dispatcher.family("capped", lease=60, max_in_flight=1000, per_actor=4)
+
+
 def outbox_noop(ctx: Context, payload: Any) -> None:
     bump()
+
+
+dispatcher.handler("bench.noop", family="intent")(outbox_noop)
+dispatcher.handler("bench.uncapped", family="uncapped")(outbox_noop)
+dispatcher.handler("bench.capped", family="capped")(outbox_noop)

@@ -120,22 +120,31 @@ def run_bench(rows: int = 5000, concurrency: int = 2, out: str = "bench-results"
             for i in range(n):
                 bench.noop.apply_async((i,), producer=producer)
 
-    def outbox(n: int) -> None:
-        with psycopg.connect(bench.DATABASE_URL) as conn:
-            for start in range(0, n, 1000):
-                with conn.transaction():
-                    bench.dispatcher.enqueue_many(
-                        conn,
-                        [
-                            Message("bench.noop", {"i": i})
-                            for i in range(start, min(n, start + 1000))
-                        ],
-                    )
+    def outbox(command: str, actors: int = 0) -> Callable[[int], None]:
+        def produce(n: int) -> None:
+            with psycopg.connect(bench.DATABASE_URL) as conn:
+                for start in range(0, n, 1000):
+                    batch = range(start, min(n, start + 1000))
+                    msgs = [
+                        Message(command, {"i": i}, actor=f"a{i % actors}" if actors else None)
+                        for i in batch
+                    ]
+                    with conn.transaction():
+                        bench.dispatcher.enqueue_many(conn, msgs)
+
+        return produce
 
     beat = ["beat", "--loglevel", "WARNING", "-s", str(logdir / "beat-schedule")]
+    both = [worker, beat]
+    scenarios: list[tuple[str, list[list[str]], Callable[[int], None]]] = [
+        ("celery delay()", [worker], plain),
+        ("outbox per-row", both, outbox("bench.noop")),
+        ("100 actors, uncapped", both, outbox("bench.uncapped", 100)),
+        ("100 actors, cap 4", both, outbox("bench.capped", 100)),
+    ]
     figures = [
-        _scenario("celery delay()", rows, [worker], plain, r, bench.COUNTER, logdir),
-        _scenario("outbox per-row", rows, [worker, beat], outbox, r, bench.COUNTER, logdir),
+        _scenario(name, rows, procs, produce, r, bench.COUNTER, logdir)
+        for name, procs, produce in scenarios
     ]
     bench.dispatcher.close()
     base = figures[0].per_second
@@ -155,7 +164,8 @@ def run_bench(rows: int = 5000, concurrency: int = 2, out: str = "bench-results"
     result = {"figures": [asdict(f) | {"per_second": f.per_second} for f in figures]}
     (Path(out) / "bench.json").write_text(json.dumps(result, indent=2))
     print(
-        f"\nbench: outbox per-row / plain Celery = {figures[1].per_second / base:.2f}x "
+        f"\nbench: outbox per-row / plain Celery = {figures[1].per_second / base:.2f}x; "
+        f"capped / uncapped = {figures[3].per_second / figures[2].per_second:.2f}x "
         f"(written to {out}/bench.json)"
     )
     return 0

@@ -257,18 +257,23 @@ UPDATE __SCHEMA__.outbox SET waiting = true, due_at = now() + make_interval(secs
 WHERE id = ANY(%(ids)s::bigint[])
 RETURNING id;
 
--- name: promote_waiting
--- A freed slot makes the actor's oldest waiting row due now.
+-- name: promote_freed
+-- Each slot freed since the last claim makes one waiting row of its actor due now (oldest
+-- first), so the claim that follows can take it.
 UPDATE __SCHEMA__.outbox o SET waiting = false, due_at = now()
 FROM (
-    SELECT id FROM __SCHEMA__.outbox
-    WHERE family = %(family)s AND actor = %(actor)s AND waiting
-      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
-    ORDER BY id
-    LIMIT %(n)s
-    FOR UPDATE SKIP LOCKED
-) w
-WHERE o.id = w.id
+    SELECT w.id
+    FROM unnest(%(actors)s::text[], %(counts)s::int[]) AS f(actor, n)
+    CROSS JOIN LATERAL (
+        SELECT id FROM __SCHEMA__.outbox
+        WHERE family = %(family)s AND actor = f.actor AND waiting
+          AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+        ORDER BY id
+        LIMIT f.n
+        FOR UPDATE SKIP LOCKED
+    ) w
+) p
+WHERE o.id = p.id
 RETURNING o.id;
 
 -- name: handback
