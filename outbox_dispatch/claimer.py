@@ -59,6 +59,7 @@ class Claimer:
         self.caps = caps
         self.cap_of = cap_of
         self.is_capped = is_capped
+        self._passes = 0
 
     def claim_family(self, family: Family, *, batch: int | None = None) -> ClaimResult:
         t0 = time.perf_counter()
@@ -184,6 +185,12 @@ class Claimer:
         report = ClaimReport()
         deadline = time.monotonic() + budget
         pending = [f for f in self.families.values() if only is None or f.name in only]
+        # each pass starts with the next family, so no family always claims (and publishes)
+        # first while the pass's time budget lasts
+        self._passes += 1
+        if pending:
+            shift = self._passes % len(pending)
+            pending = pending[shift:] + pending[:shift]
         while pending:
             report.rounds += 1
             full: list[Family] = []

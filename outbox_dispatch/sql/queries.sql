@@ -196,27 +196,23 @@ WHERE o.id = ANY(%(ids)s::bigint[]) AND o.actor IS NOT NULL
 RETURNING o.id;
 
 -- name: capped_candidates
--- Due rows of a capped family, ranked per actor, all from the outbox_due index range; rows with
--- no actor rank 1 (uncapped). Locked (SKIP LOCKED) in rank order, so the first row of every
--- actor comes before the second row of any, and one actor's backlog cannot fill the probe.
-WITH due AS (
-    SELECT id, actor, due_at FROM __SCHEMA__.outbox
+-- Due rows of a capped family from the outbox_due index range, locked as they are read (SKIP
+-- LOCKED), then ranked per actor; rows with no actor rank 1 (uncapped). In (rank, due) order
+-- the first row of every actor comes before the second row of any, so one actor's backlog
+-- cannot fill the claim.
+WITH due AS MATERIALIZED (
+    SELECT id, actor, command, due_at FROM __SCHEMA__.outbox
     WHERE family = %(family)s AND due_at <= now()
       AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
     ORDER BY due_at
     LIMIT %(probe)s
-),
-ranked AS MATERIALIZED (
-    SELECT id, due_at,
-           CASE WHEN actor IS NULL THEN 1
-                ELSE row_number() OVER (PARTITION BY actor ORDER BY due_at, id) END AS rank
-    FROM due
+    FOR UPDATE SKIP LOCKED
 )
-SELECT o.id, o.actor, o.command, r.rank
-FROM __SCHEMA__.outbox o JOIN ranked r USING (id)
-WHERE o.due_at <= now() AND o.parked_at IS NULL AND o.cancelled_at IS NULL AND o.done_at IS NULL
-ORDER BY r.rank, r.due_at, o.id
-FOR UPDATE OF o SKIP LOCKED;
+SELECT id, actor, command,
+       CASE WHEN actor IS NULL THEN 1
+            ELSE row_number() OVER (PARTITION BY actor ORDER BY due_at, id) END AS rank
+FROM due
+ORDER BY rank, due_at, id;
 
 -- name: claim_ids
 -- Lease the rows the capped claim picked, under the tokens their cap slots were taken with.

@@ -131,6 +131,11 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
     try:
         with store.connection() as conn, conn.transaction():
             rows = conn.execute(
+                "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["capped_candidates"],
+                {"family": "intent", "probe": 2000},
+            ).fetchall()
+            capped_plan = "\n".join(str(r[0]) for r in rows)
+            rows = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) " + store.q["claim"], params
             ).fetchall()
             plan = "\n".join(str(r[0]) for r in rows)
@@ -148,3 +153,7 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
     assert "rows=20 " in scan_line, plan
     assert "Seq Scan" not in in_flight_plan, in_flight_plan
     assert "outbox_claimed" in in_flight_plan, in_flight_plan
+    # the capped claim ranks actors only among the due rows, from the same index range
+    assert "Seq Scan" not in capped_plan, capped_plan
+    scan_line = next(x for x in capped_plan.splitlines() if "Index Scan using outbox_due" in x)
+    assert "rows=20 " in scan_line, capped_plan
