@@ -112,6 +112,52 @@ def cmd_parked(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cancel(args: argparse.Namespace) -> int:
+    import psycopg
+
+    dispatcher, _ = load_dispatcher(args.app)
+    if not args.ids and not args.dedupe_key and not args.actor:
+        raise OutboxError("cancel: name row ids, --dedupe-key, or --actor (with --command)")
+    cancelled: list[int] = []
+    requested: list[int] = []
+    with psycopg.connect(dispatcher.database_url) as conn, conn.transaction():
+        for row_id in args.ids or [None]:
+            result = dispatcher.cancel(
+                conn,
+                row_id,
+                dedupe_key=args.dedupe_key,
+                actor=args.actor,
+                command=args.command_name,
+                reason=args.reason,
+                by=args.by or os.environ.get("USER") or "outbox-dispatch cli",
+            )
+            cancelled += result.cancelled
+            requested += result.requested
+    text = f"{len(cancelled)} rows cancelled"
+    if requested:
+        text += f"; {len(requested)} running rows asked to stop: {requested}"
+    _emit(args, {"cancelled": cancelled, "requested": requested}, text)
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    dispatcher, _ = load_dispatcher(args.app)
+    total: dict[str, int] = {}
+    for fam in dispatcher.families.values():
+        n = 0
+        while True:  # batch by batch, with progress: never one long transaction
+            got = dispatcher.store.prune(fam.name, fam.retention, args.batch)
+            n += got
+            if not args.json and got:
+                print(f"prune: {fam.name}: {n} rows deleted so far", file=sys.stderr)
+            if got < args.batch:
+                break
+        if n:
+            total[fam.name] = n
+    _emit(args, total, f"pruned {sum(total.values())} settled rows {total or ''}".strip())
+    return 0
+
+
 def cmd_celery(args: argparse.Namespace) -> int:
     """Run Celery's own worker or beat on the app's module: nothing new to learn."""
     _, module = load_dispatcher(args.app)
@@ -166,6 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("ids", nargs="*", type=int, help="row ids")
             q.add_argument("--all", action="store_true", help="every parked row (of --family)")
     p.set_defaults(fn=cmd_parked)
+
+    p = sub.add_parser("cancel", help="cancel rows: pending ones at once, running ones asked")
+    p.add_argument("ids", nargs="*", type=int, help="row ids")
+    p.add_argument("--dedupe-key")
+    p.add_argument("--actor")
+    p.add_argument("--command", dest="command_name", help="with --actor: only this command")
+    p.add_argument("--reason")
+    p.add_argument("--by", help="who cancels (default: $USER)")
+    p.set_defaults(fn=cmd_cancel)
+
+    p = sub.add_parser("prune", help="delete settled rows past their family's retention")
+    p.add_argument("--batch", type=int, default=1000)
+    p.set_defaults(fn=cmd_prune)
 
     for name in ("worker", "beat"):
         p = sub.add_parser(name, help=f"celery {name} on the app's module; extra args pass on")

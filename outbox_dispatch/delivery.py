@@ -15,10 +15,11 @@ from uuid import UUID
 
 from .caps import Caps, CapsUnavailable
 from .errors import PermanentFailure
-from .handlers import Context, Registry
+from .handlers import Context, HandlerFn, Registry
+from .heartbeat import Heartbeats, Running
 from .logs import event
 from .policy import Family, Verdict, decide_failure
-from .store import Started, Store
+from .store import Conn, Started, Store
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class Outcome(StrEnum):
     DELIVERED = "delivered"
     RETRIED = "retried"
     PARKED = "parked"
+    CANCELLED = "cancelled"
     STALE = "stale"
     LOST = "lost"  # settled by nobody: the token no longer held when the handler ended
 
@@ -55,6 +57,10 @@ def parse_message(args: tuple[Any, ...]) -> tuple[int, UUID] | None:
         return None
 
 
+class _Cancelled(Exception):
+    """Unwinds a transactional handler's transaction when its row was cancelled."""
+
+
 def describe_error(exc: BaseException) -> str:
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     return text[:MAX_ERROR_LENGTH]
@@ -79,6 +85,7 @@ class Delivery:
         self.is_capped = is_capped
         self.wake = wake
         self.rand = rand
+        self.heartbeats = Heartbeats(store)
 
     def deliver_message(self, args: tuple[Any, ...]) -> Result:
         parsed = parse_message(args)
@@ -105,8 +112,10 @@ class Delivery:
             )
         if not self._slot_still_held(started, family):
             return Result(Outcome.STALE, row_id, "cap slot lapsed")
-        fn = self.registry.handler(started.command)
-        if fn is None:
+        if started.cancel_requested:  # cancelled while on its way here: never runs
+            return self._cancelled(started, family)
+        reg = self.registry.registration(started.command)
+        if reg is None or reg.fn is None:
             return self._park(
                 started,
                 family,
@@ -121,8 +130,27 @@ class Delivery:
             attempt=started.attempts,
             idempotency_key=started.dedupe_key or f"outbox:{started.id}",
             maybe_applied=started.maybe_applied,
-            _renew=lambda: self._renew(started, family),
+            _beat=lambda progress: self.heartbeats.beat_now(started.id, progress),
         )
+        running = Running(
+            ctx=ctx,
+            token=started.token,
+            lease=family.lease,
+            transactional=reg.transactional,
+            renew_slot=self._slot_renewer(started, family),
+            next_at=time.monotonic() + family.lease / 3,
+        )
+        self.heartbeats.add(running)
+        try:
+            if reg.transactional:
+                return self._run_in_transaction(started, family, reg.fn, ctx, running)
+            return self._run(started, family, reg.fn, ctx, running)
+        finally:
+            self.heartbeats.remove(started.id)
+
+    def _run(
+        self, started: Started, family: Family, fn: HandlerFn, ctx: Context, running: Running
+    ) -> Result:
         fields = _fields(started)
         event(log, logging.DEBUG, "handler_started", "running handler", **fields)
         t0 = time.perf_counter()
@@ -132,14 +160,71 @@ class Delivery:
             return self._park(started, family, describe_error(exc))
         except Exception as exc:
             return self._failed(started, family, exc)
-        elapsed = time.perf_counter() - t0
+        return self._succeeded(started, family, time.perf_counter() - t0)
+
+    def _run_in_transaction(
+        self, started: Started, family: Family, fn: HandlerFn, ctx: Context, running: Running
+    ) -> Result:
+        """The handler's writes and the row's settle commit together, under the row's lock,
+        or not at all: exactly-once effects for work that stays in Postgres."""
+        t0 = time.perf_counter()
+        try:
+            with self.store.locked_row(started.id, started.token) as held:
+                if held is None:
+                    return self._lost(started)
+                conn, cancel = held
+                if cancel:
+                    raise _Cancelled()
+                ctx.conn = conn
+                fn(ctx, started.payload)
+                kind = "done" if family.retention > 0 else "delete"
+                settled = self._settle(
+                    kind, started, family, conn=conn, release=False, or_cancel=False
+                )
+                if not settled:
+                    raise _Cancelled()  # a cancel request arrived: undo the handler's writes
+        except _Cancelled:
+            return self._cancelled(started, family)
+        except PermanentFailure as exc:
+            return self._park(started, family, describe_error(exc))
+        except Exception as exc:
+            return self._failed(started, family, exc)
+        finally:
+            ctx.conn = None
+        self._release(started, family)
+        event(
+            log,
+            logging.INFO,
+            "delivered",
+            f"transactional handler committed in {(time.perf_counter() - t0) * 1000:.1f} ms",
+            **_fields(started),
+        )
+        return Result(Outcome.DELIVERED, started.id)
+
+    def _succeeded(self, started: Started, family: Family, elapsed: float) -> Result:
         kind = "done" if family.retention > 0 else "delete"
-        if self._settle(kind, started, family):
+        applied = self._settle(kind, started, family)
+        if applied == "cancel":
+            return self._was_cancelled(started)
+        if applied:
             event(
-                log, logging.INFO, "delivered", f"handler ok in {elapsed * 1000:.1f} ms", **fields
+                log,
+                logging.INFO,
+                "delivered",
+                f"handler ok in {elapsed * 1000:.1f} ms",
+                **_fields(started),
             )
             return Result(Outcome.DELIVERED, started.id)
         return self._lost(started)
+
+    def _cancelled(self, started: Started, family: Family) -> Result:
+        if self._settle("cancel", started, family):
+            return self._was_cancelled(started)
+        return self._lost(started)
+
+    def _was_cancelled(self, started: Started) -> Result:
+        event(log, logging.INFO, "cancelled", "row settled as cancelled", **_fields(started))
+        return Result(Outcome.CANCELLED, started.id)
 
     # -- leases and slots -------------------------------------------------------------------
 
@@ -179,16 +264,20 @@ class Delivery:
             return False
         return True
 
-    def _renew(self, started: Started, family: Family) -> bool:
-        alive = self.store.renew(started.id, started.token, family.lease)
-        if alive and self._capped(started, family):
-            assert self.caps is not None
-            assert started.actor is not None
+    def _slot_renewer(self, started: Started, family: Family) -> Callable[[], None] | None:
+        if not self._capped(started, family):
+            return None
+        caps, actor = self.caps, started.actor
+        assert caps is not None
+        assert actor is not None
+
+        def renew() -> None:
             try:
-                self.caps.renew(started.family, started.actor, started.token, family.lease)
+                caps.renew(started.family, actor, started.token, family.lease)
             except CapsUnavailable as exc:
                 event(log, logging.WARNING, "caps_unavailable", str(exc), **_fields(started))
-        return alive
+
+        return renew
 
     # -- settling ---------------------------------------------------------------------------
 
@@ -200,8 +289,12 @@ class Delivery:
         *,
         delay: float = 0.0,
         error: str | None = None,
-    ) -> bool:
-        """Settle fenced by the token; then free the cap slot and let one waiting row in."""
+        conn: Conn | None = None,
+        release: bool = True,
+        or_cancel: bool = True,
+    ) -> str | None:
+        """Settle fenced by the token (a pending cancel request wins); then free the cap slot
+        so the claimer lets one waiting row of the actor in."""
         if family is not None and family.ordered and started.actor is not None:
             ok = self.store.settle_in_line(
                 kind,
@@ -212,24 +305,40 @@ class Delivery:
                 parked_blocks=family.parked_blocks,
                 delay=delay,
                 error=error,
+                conn=conn,
+                or_cancel=or_cancel,
             )
         else:
-            ok = self.store.settle(kind, started.id, started.token, delay=delay, error=error)
+            ok = self.store.settle(
+                kind,
+                started.id,
+                started.token,
+                delay=delay,
+                error=error,
+                conn=conn,
+                or_cancel=or_cancel,
+            )
+        if release:
+            self._release(started, family)
+        return ok
+
+    def _release(self, started: Started, family: Family | None) -> None:
+        # only after the settle committed: the slot covers the row until it is settled
         if family is not None and self._capped(started, family):
             assert self.caps is not None
             assert started.actor is not None
-            # release only after the settle: the slot covers the row until it is settled; the
-            # claimer then lets one waiting row of the actor in
             if self.caps.release(started.family, started.actor, started.token):
                 self.wake(started.family)
-        return ok
 
     def _failed(self, started: Started, family: Family, exc: Exception) -> Result:
         error = describe_error(exc)
         decision = decide_failure(family, started.attempts, self.rand())
         if decision.verdict is Verdict.PARK:
             return self._park(started, family, error)
-        if self._settle("retry", started, family, delay=decision.delay, error=error):
+        applied = self._settle("retry", started, family, delay=decision.delay, error=error)
+        if applied == "cancel":
+            return self._was_cancelled(started)
+        if applied:
             event(
                 log,
                 logging.WARNING,
@@ -241,7 +350,10 @@ class Delivery:
         return self._lost(started)
 
     def _park(self, started: Started, family: Family | None, error: str) -> Result:
-        if self._settle("park", started, family, error=error):
+        applied = self._settle("park", started, family, error=error)
+        if applied == "cancel":
+            return self._was_cancelled(started)
+        if applied:
             event(
                 log,
                 logging.ERROR,

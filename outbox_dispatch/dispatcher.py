@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Celery
@@ -14,6 +14,7 @@ from celery import Celery
 from . import wiring
 from .caps import Caps
 from .claimer import Claimer, ClaimReport, message_options
+from .cron import CatchUp, Schedule
 from .delivery import Delivery, Outcome, Result, parse_message
 from .errors import ConfigurationError, DrainLoop, DrainTimeout, InvalidArgument, UnknownFamily
 from .handlers import HandlerFn, Registration, Registry
@@ -22,9 +23,17 @@ from .migrations import migrate
 from .naming import family_name, identifier
 from .policy import Backoff, Family, LostAttempt, builtin_families
 from .store import Claimed, Conn, FamilyStatus, Store
-from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, prepare
+from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """Rows settled as cancelled at once, and running rows whose handler was asked to stop."""
+
+    cancelled: list[int]
+    requested: list[int]
 
 
 @dataclass
@@ -59,6 +68,8 @@ class Dispatcher:
         payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
         pool_size: int = 4,
         key_prefix: str = "outbox",
+        prune_interval: float = 60.0,
+        prune_batch: int = 1000,
     ) -> None:
         if not database_url:
             raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
@@ -102,6 +113,13 @@ class Dispatcher:
             app, self._deliver_from_queue, self.claim_and_publish
         )
         wiring.add_beat_entry(app, claim_interval, self.claim_queue)
+        self.prune_batch = prune_batch
+        wiring.register_periodic(app, wiring.PRUNE_TASK, self.prune)
+        wiring.add_periodic_entry(
+            app, "outbox-dispatch prune", wiring.PRUNE_TASK, prune_interval, self.claim_queue
+        )
+        self.schedules: dict[str, Schedule] = {}
+        self._cron_task = wiring.register_periodic(app, wiring.CRON_TASK, self.run_cron)
         wiring.on_configured(app, self._apply_queues)
 
     # -- declaration ----------------------------------------------------------------------
@@ -167,10 +185,17 @@ class Dispatcher:
         wiring.apply_queues(self.app, names)
 
     def handler(
-        self, command: str, *, family: str = "intent", per_actor: int | None = None
+        self,
+        command: str,
+        *,
+        family: str = "intent",
+        per_actor: int | None = None,
+        transactional: bool = False,
     ) -> Callable[[HandlerFn], HandlerFn]:
         """Register ``fn(ctx, payload)`` as the handler of ``command``; ``per_actor``
-        overrides the family's cap for this command's rows."""
+        overrides the family's cap for this command's rows. A ``transactional`` handler gets
+        ``ctx.conn``, a connection in a transaction that also settles its row: its writes and
+        the settle commit together or not at all."""
         if not isinstance(command, str) or not command or len(command) > 200:
             raise ConfigurationError(f"command must be a 1-200 character str, got {command!r}")
         if per_actor is not None:
@@ -184,7 +209,8 @@ class Dispatcher:
                 )
 
         def decorate(fn: HandlerFn) -> HandlerFn:
-            self.registry.add(Registration(command, family, fn, per_actor), set(self.families))
+            reg = Registration(command, family, fn, per_actor, transactional)
+            self.registry.add(reg, set(self.families))
             return fn
 
         return decorate
@@ -396,6 +422,131 @@ class Dispatcher:
         for fam, actors in by_family.items():
             self.store.promote_blocked(fam, actors, self.families[fam].parked_blocks)
         return [i for i, _, _ in rows]
+
+    # -- cancellation, retention, cron ------------------------------------------------------
+
+    def cancel(
+        self,
+        conn: Conn,
+        row_id: int | None = None,
+        *,
+        dedupe_key: str | None = None,
+        actor: str | None = None,
+        command: str | None = None,
+        reason: str | None = None,
+        by: str | None = None,
+    ) -> CancelResult:
+        """Cancel rows on the caller's connection (it commits with the caller): one row by id,
+        by dedupe key, or every unsettled row of an actor (optionally of one command).
+
+        Rows nobody is delivering are settled as cancelled at once; a running row's handler
+        sees ``ctx.is_cancelled`` within one heartbeat (lease/3), and its settle records the
+        cancel. Cancelled rows keep who, when and why until their family's retention prunes
+        them. Parked rows are not cancelled: purge them.
+        """
+        if row_id is None and dedupe_key is None and actor is None:
+            raise InvalidArgument("cancel needs a row id, a dedupe_key, or an actor")
+        if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, int)):
+            raise InvalidArgument(f"row_id must be an int, got {type(row_id).__name__}")
+        for what, value in (
+            ("dedupe_key", dedupe_key),
+            ("actor", actor),
+            ("command", command),
+            ("reason", reason),
+            ("by", by),
+        ):
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
+        ordered = {f.name: f.parked_blocks for f in self.families.values() if f.ordered}
+        now, requested = self.store.cancel(
+            _check_conn(conn),
+            ids=None if row_id is None else [row_id],
+            dedupe_key=dedupe_key,
+            actor=actor,
+            command=command,
+            reason=reason,
+            by=by,
+            ordered=ordered,
+        )
+        return CancelResult(now, requested)
+
+    def prune(self, *, batch: int | None = None, max_batches: int = 100) -> dict[str, int]:
+        """Delete delivered and cancelled rows past their family's retention, in batches of
+        ``batch`` rows (short transactions, never one long lock)."""
+        size = batch or self.prune_batch
+        deleted: dict[str, int] = {}
+        for fam in list(self.families.values()):
+            total = 0
+            for _ in range(max_batches):
+                n = self.store.prune(fam.name, fam.retention, size)
+                total += n
+                if n < size:
+                    break
+            if total:
+                deleted[fam.name] = total
+                event(log, logging.INFO, "pruned", f"{total} settled rows", family=fam.name)
+        return deleted
+
+    def cron(
+        self,
+        name: str,
+        expr: str,
+        command: str,
+        payload: Any = None,
+        *,
+        tz: str = "UTC",
+        catch_up: str | CatchUp = CatchUp.LATEST,
+        window: timedelta = timedelta(hours=1),
+        check_every: float = 1.0,
+    ) -> Schedule:
+        """Write one ``command`` row per tick of ``expr`` (five cron fields, or six with
+        seconds last). After downtime, ``catch_up="latest"`` writes only the latest missed tick,
+        ``"all"`` every missed tick within ``window``. A new schedule starts with the next tick.
+        """
+        if not isinstance(name, str) or not name or len(name) > 100:
+            raise ConfigurationError(f"cron name must be a 1-100 character str, got {name!r}")
+        try:
+            policy = CatchUp(catch_up)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"catch_up must be 'latest' or 'all', got {catch_up!r}"
+            ) from exc
+        self.registry.family_of(command)  # the command must be known
+        schedule = Schedule(name, expr, command, payload, tz, policy, window)
+        # a payload that cannot be stored fails here, at declaration, not at every tick
+        encode_payload(schedule.payload_for(datetime.now(UTC)), self.payload_limit)
+        first = not self.schedules
+        self.schedules[name] = schedule
+        if first:
+            wiring.add_periodic_entry(
+                self.app, "outbox-dispatch cron", wiring.CRON_TASK, check_every, self.claim_queue
+            )
+        return schedule
+
+    def run_cron(self, now: datetime | None = None) -> dict[str, int]:
+        """Write the rows of every schedule's due ticks; safe to run from several processes."""
+        written: dict[str, int] = {}
+        for schedule in list(self.schedules.values()):
+            with self.store.connection() as conn, conn.transaction():
+                ticks = self.store.cron_ticks(conn, schedule, now)
+                for tick in ticks:
+                    self.enqueue(
+                        conn,
+                        schedule.command,
+                        schedule.payload_for(tick),
+                        dedupe_key=schedule.dedupe_key(tick),
+                        at=tick,
+                    )
+            if ticks:
+                written[schedule.name] = len(ticks)
+                event(
+                    log,
+                    logging.INFO,
+                    "cron",
+                    f"{len(ticks)} ticks written for {schedule.name}",
+                    command=schedule.command,
+                )
+        return written
 
     def _ordered(self, family: str) -> bool:
         return family in self.families and self.families[family].ordered

@@ -29,20 +29,20 @@ class Context:
     idempotency_key: str
     maybe_applied: bool
     cancelled: threading.Event = field(default_factory=threading.Event)
-    _renew: Callable[[], bool] | None = field(default=None, repr=False)
+    conn: Any = None  # transactional handlers: the connection whose transaction settles the row
+    _beat: Callable[[Any], bool] | None = field(default=None, repr=False)
 
     @property
     def is_cancelled(self) -> bool:
+        """True when the row was cancelled or its claim was lost: stop and return soon."""
         return self.cancelled.is_set()
 
-    def heartbeat(self) -> bool:
-        """Extend this attempt's lease now; False (and the cancellation flag) if it was lost."""
-        if self._renew is None:
+    def heartbeat(self, progress: Any = None) -> bool:
+        """Extend this attempt's lease now and record ``progress`` (JSON) on the row; False
+        (and ``is_cancelled``) when the claim was lost or the row was cancelled."""
+        if self._beat is None:
             return not self.cancelled.is_set()
-        alive = self._renew()
-        if not alive:
-            self.cancelled.set()
-        return alive
+        return self._beat(progress)
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class Registration:
     family: str
     fn: HandlerFn | None  # None: declared by a producer that does not deliver it
     per_actor: int | None = None  # overrides the family's per-actor cap for this command
+    transactional: bool = False  # fn gets ctx.conn; its writes commit with the settle
 
 
 class Registry:
@@ -92,6 +93,9 @@ class Registry:
     def handler(self, command: str) -> HandlerFn | None:
         reg = self._by_command.get(command)
         return reg.fn if reg else None
+
+    def registration(self, command: str) -> Registration | None:
+        return self._by_command.get(command)
 
     def commands(self) -> list[Registration]:
         return list(self._by_command.values())

@@ -12,13 +12,16 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
+from .cron import Schedule, due_ticks
 from .errors import DatabaseError, SchemaNotReady
 from .policy import Candidate
 from .sqlfiles import queries_for
@@ -67,6 +70,7 @@ class Started:
     attempts: int
     maybe_applied: bool
     dedupe_key: str | None
+    cancel_requested: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class FamilyStatus:
     cancelled: int
     done: int
     oldest_due_age: float
+    maybe_applied: int = 0  # unsettled rows whose earlier attempt ended without an outcome
     waiting: int = 0  # capped rows whose actor is at its cap
     blocked: int = 0  # ordered rows behind their actor's head
     actors_at_cap: int = 0
@@ -337,7 +342,7 @@ class Store:
             ).fetchone()
         if row is None:
             return None
-        family, command, actor, payload, attempts, maybe_applied, dedupe_key = row
+        family, command, actor, payload, attempts, maybe_applied, dedupe_key, cancel = row
         return Started(
             row_id,
             token,
@@ -348,6 +353,7 @@ class Store:
             int(attempts),
             bool(maybe_applied),
             dedupe_key,
+            bool(cancel),
         )
 
     def why_stale(self, row_id: int, token: UUID) -> str:
@@ -364,12 +370,25 @@ class Store:
             return "lease ran out before delivery began; the row will be claimed again"
         return "row is not deliverable"
 
-    def renew(self, row_id: int, token: UUID, lease: float) -> bool:
+    def renew(self, leases: Sequence[tuple[int, UUID, Any]], lease: float) -> dict[int, bool]:
+        """Extend the given (id, token, progress) leases; returns id -> cancel requested, for
+        the leases still held (a missing id lost its claim)."""
+        if not leases:
+            return {}
+        params = {
+            "ids": [i for i, _, _ in leases],
+            "tokens": [t for _, t, _ in leases],
+            "progress": [None if p is None else Jsonb(p) for _, _, p in leases],
+            "lease": lease,
+        }
         with translated("lease renewal"), self.connection() as conn:
-            row = conn.execute(
-                self.q["renew"], {"id": row_id, "token": token, "lease": lease}
-            ).fetchone()
-        return row is not None
+            rows = conn.execute(self.q["renew"], params).fetchall()
+        return {int(r[0]): bool(r[1]) for r in rows}
+
+    def cancel_requested(self, ids: Sequence[int]) -> set[int]:
+        with translated("cancel check"), self.connection() as conn:
+            rows = conn.execute(self.q["cancel_requests"], {"ids": list(ids)}).fetchall()
+        return {int(r[0]) for r in rows}
 
     def settle(
         self,
@@ -380,15 +399,29 @@ class Store:
         delay: float = 0.0,
         error: str | None = None,
         conn: Conn | None = None,
-    ) -> bool:
-        """Settle fenced by the token; False means another claim owns the row now."""
+        or_cancel: bool = True,
+    ) -> str | None:
+        """Settle fenced by the token; returns the settle applied (``kind``, or "cancel" when a
+        cancel request was pending), or None when another claim owns the row now (or, with
+        ``or_cancel=False``, a cancel request is pending)."""
         params = {"id": row_id, "token": token, "delay": delay, "error": error}
-        query = self.q[f"settle_{kind}"]
         with translated(f"settle ({kind})"):
             if conn is not None:
-                return conn.execute(query, params).fetchone() is not None
+                return self._settle_on(conn, kind, params, or_cancel)
             with self.connection() as own:
-                return own.execute(query, params).fetchone() is not None
+                return self._settle_on(own, kind, params, or_cancel)
+
+    def _settle_on(
+        self, conn: Conn, kind: str, params: dict[str, Any], or_cancel: bool
+    ) -> str | None:
+        """The settle, or, when someone asked to cancel the row meanwhile, the cancel."""
+        if conn.execute(self.q[f"settle_{kind}"], params).fetchone() is not None:
+            return kind
+        if kind == "cancel" or not or_cancel:
+            return None
+        if conn.execute(self.q["settle_cancel"], params).fetchone() is not None:
+            return "cancel"
+        return None
 
     def settle_in_line(
         self,
@@ -401,22 +434,41 @@ class Store:
         parked_blocks: bool,
         delay: float = 0.0,
         error: str | None = None,
-    ) -> bool:
+        conn: Conn | None = None,
+        or_cancel: bool = True,
+    ) -> str | None:
         """Settle the head of an ordered actor and, when it leaves the line, promote the next
         row, under the actor's lock (a producer enqueueing now waits, then sees the change)."""
         params = {"id": row_id, "token": token, "delay": delay, "error": error}
-        leaves = kind in ("delete", "done") or (kind == "park" and not parked_blocks)
-        with translated(f"settle ({kind})"), self.connection() as conn, conn.transaction():
+        with translated(f"settle ({kind})"):
+            line = (family, actor, parked_blocks, or_cancel)
+            if conn is not None:
+                return self._settle_in_line_on(conn, kind, params, *line)
+            with self.connection() as own, own.transaction():
+                return self._settle_in_line_on(own, kind, params, *line)
+
+    def _settle_in_line_on(
+        self,
+        conn: Conn,
+        kind: str,
+        params: dict[str, Any],
+        family: str,
+        actor: str,
+        parked_blocks: bool,
+        or_cancel: bool,
+    ) -> str | None:
+        lock = _actor_lock(self.schema, family, actor)
+        conn.execute(self.q["lock_actor"], {"lock_name": lock})
+        applied = self._settle_on(conn, kind, params, or_cancel)
+        leaves = applied in ("delete", "done", "cancel") or (
+            applied == "park" and not parked_blocks
+        )
+        if leaves:
             conn.execute(
-                self.q["lock_actor"], {"lock_name": _actor_lock(self.schema, family, actor)}
+                self.q["promote_blocked"],
+                {"family": family, "actors": [actor], "parked_blocks": parked_blocks},
             )
-            ok = conn.execute(self.q[f"settle_{kind}"], params).fetchone() is not None
-            if ok and leaves:
-                conn.execute(
-                    self.q["promote_blocked"],
-                    {"family": family, "actors": [actor], "parked_blocks": parked_blocks},
-                )
-        return ok
+        return applied
 
     def cap_status(
         self, families: list[str]
@@ -429,6 +481,74 @@ class Store:
             {r[0]: (int(r[1]), int(r[2])) for r in counts},
             [(r[0], r[1], int(r[2])) for r in actors],
         )
+
+    @contextmanager
+    def locked_row(self, row_id: int, token: UUID) -> Iterator[tuple[Conn, bool] | None]:
+        """A transaction holding the claimed row locked (for transactional handlers): yields
+        (connection, cancel requested), or None when the claim no longer holds. Commits when
+        the block ends, rolls back when it raises."""
+        with translated("transactional delivery"), self.connection() as conn, conn.transaction():
+            row = conn.execute(self.q["lock_row"], {"id": row_id, "token": token}).fetchone()
+            yield (conn, bool(row[1])) if row is not None else None
+
+    def cancel(
+        self,
+        conn: Conn,
+        *,
+        ids: list[int] | None,
+        dedupe_key: str | None,
+        actor: str | None,
+        command: str | None,
+        reason: str | None,
+        by: str | None,
+        ordered: Mapping[str, bool],
+    ) -> tuple[list[int], list[int]]:
+        """Cancel on the caller's connection: (cancelled now, cancel requested of the holder)."""
+        sel = {"ids": ids, "dedupe_key": dedupe_key, "actor": actor, "command": command}
+        with translated("cancel"):
+            matched = conn.execute(self.q["cancel_match"], sel).fetchall()
+            if not matched:
+                return [], []
+            all_ids = [int(r[0]) for r in matched]
+            in_line = sorted({(r[1], r[2]) for r in matched if r[1] in ordered and r[2]})
+            for fam, act in in_line:
+                lock = _actor_lock(self.schema, fam, act)
+                conn.execute(self.q["lock_actor"], {"lock_name": lock})
+            conn.execute(self.q["cancel_request"], {"ids": all_ids, "reason": reason, "by": by})
+            done = conn.execute(
+                self.q["cancel_now"], {"ids": all_ids, "reason": reason, "by": by}
+            ).fetchall()
+            for fam, act in in_line:
+                conn.execute(
+                    self.q["promote_blocked"],
+                    {"family": fam, "actors": [act], "parked_blocks": ordered[fam]},
+                )
+        now = sorted(int(r[0]) for r in done)
+        return now, sorted(set(all_ids) - set(now))
+
+    def cron_ticks(self, conn: Conn, schedule: Schedule, now: datetime | None) -> list[datetime]:
+        """Under the schedule's row lock: the ticks to write, and the schedule advanced to now.
+        ``now`` defaults to the database's clock."""
+        with translated("cron"):
+            if now is None:
+                row = conn.execute("SELECT now()").fetchone()
+                assert row is not None
+                now = row[0]
+            conn.execute(self.q["cron_lock"], {"name": schedule.name, "initial": now})
+            found = conn.execute(self.q["cron_last"], {"name": schedule.name}).fetchone()
+            assert found is not None
+            ticks = due_ticks(
+                schedule.expr, schedule.tz, found[0], now, schedule.catch_up, schedule.window
+            )
+            conn.execute(self.q["cron_advance"], {"name": schedule.name, "tick": now})
+        return ticks
+
+    def prune(self, family: str, retention: float, batch: int) -> int:
+        with translated("prune"), self.connection() as conn:
+            rows = conn.execute(
+                self.q["prune"], {"family": family, "retention": retention, "batch": batch}
+            ).fetchall()
+        return len(rows)
 
     # -- operations -----------------------------------------------------------------------
 
@@ -445,6 +565,7 @@ class Store:
                 cancelled=int(r[5]),
                 done=int(r[6]),
                 oldest_due_age=float(r[7]),
+                maybe_applied=int(r[8]),
             )
             for r in rows
         ]

@@ -16,6 +16,8 @@ from kombu.entity import Queue
 DELIVER_TASK = "outbox.deliver"
 CLAIM_TASK = "outbox.claim"
 CLAIM_ENTRY = "outbox-dispatch claimer"
+PRUNE_TASK = "outbox.prune"
+CRON_TASK = "outbox.cron"
 
 
 def write_settings(app: Celery) -> None:
@@ -58,6 +60,22 @@ def register_tasks(
         claim(names)
 
     return deliver_task, claim_task
+
+
+def register_periodic(app: Celery, name: str, fn: Callable[[], object]) -> Any:
+    """A maintenance task (prune, cron) that beat schedules on the claim queue."""
+
+    @app.task(name=name, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
+    def periodic() -> None:
+        fn()
+
+    return periodic
+
+
+def add_periodic_entry(app: Celery, entry: str, task: str, interval: float, queue: str) -> None:
+    app.add_periodic_task(
+        interval, app.signature(task), name=entry, expires=max(interval, 0.5), queue=queue
+    )
 
 
 def add_beat_entry(app: Celery, interval: float, claim_queue: str) -> None:

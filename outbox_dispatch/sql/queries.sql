@@ -66,7 +66,8 @@ RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.la
 UPDATE __SCHEMA__.outbox SET started_at = now(),
     due_at = now() + make_interval(secs => %(lease)s)
 WHERE id = %(id)s AND claim_token = %(token)s AND started_at IS NULL AND due_at > now()
-RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key;
+RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
+    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id) AS cancel_requested;
 
 -- name: explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,
@@ -74,30 +75,119 @@ SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,
 FROM __SCHEMA__.outbox WHERE id = %(id)s;
 
 -- name: renew
-UPDATE __SCHEMA__.outbox SET due_at = now() + make_interval(secs => %(lease)s)
-WHERE id = %(id)s AND claim_token = %(token)s
+-- Heartbeat: extend the leases still held (fenced by token) and report cancel requests.
+UPDATE __SCHEMA__.outbox o SET due_at = now() + make_interval(secs => %(lease)s),
+    progress = coalesce(p.progress, o.progress)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(progress)s::jsonb[])
+    AS p(id, token, progress)
+WHERE o.id = p.id AND o.claim_token = p.token
+RETURNING o.id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id);
+
+-- name: cancel_requests
+SELECT row_id FROM __SCHEMA__.outbox_cancel WHERE row_id = ANY(%(ids)s::bigint[]);
+
+-- name: lock_row
+-- A transactional handler's transaction holds its row from here to the settle.
+SELECT id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
+FROM __SCHEMA__.outbox WHERE id = %(id)s AND claim_token = %(token)s
+FOR UPDATE;
+
+-- name: cancel_match
+-- Unsettled rows a cancel names: by id, by dedupe key, or by actor and command.
+SELECT id, family, actor FROM __SCHEMA__.outbox
+WHERE cancelled_at IS NULL AND done_at IS NULL AND parked_at IS NULL
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(dedupe_key)s::text IS NULL OR dedupe_key = %(dedupe_key)s)
+  AND (%(actor)s::text IS NULL OR actor = %(actor)s)
+  AND (%(command)s::text IS NULL OR command = %(command)s)
+ORDER BY id;
+
+-- name: cancel_request
+INSERT INTO __SCHEMA__.outbox_cancel (row_id, reason, requested_by)
+SELECT unnest(%(ids)s::bigint[]), %(reason)s, %(by)s
+ON CONFLICT (row_id) DO NOTHING;
+
+-- name: cancel_now
+-- Rows nobody is delivering (no live claim) are settled as cancelled at once; rows another
+-- transaction holds locked keep their request, which the holder honours.
+WITH free AS (
+    SELECT id FROM __SCHEMA__.outbox
+    WHERE id = ANY(%(ids)s::bigint[]) AND cancelled_at IS NULL AND done_at IS NULL
+      AND parked_at IS NULL AND (claim_token IS NULL OR (started_at IS NULL AND due_at <= now()))
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM __SCHEMA__.outbox_cancel WHERE row_id IN (SELECT id FROM free)
+)
+UPDATE __SCHEMA__.outbox o SET cancelled_at = now(), cancel_reason = %(reason)s,
+    cancelled_by = %(by)s, claim_token = NULL, started_at = NULL, claimed_at = NULL,
+    waiting = false
+FROM free WHERE o.id = free.id
+RETURNING o.id, o.family, o.actor;
+
+-- name: prune
+-- One bounded batch of settled rows past their family's retention.
+DELETE FROM __SCHEMA__.outbox WHERE id IN (
+    SELECT id FROM __SCHEMA__.outbox
+    WHERE family = %(family)s AND (done_at IS NOT NULL OR cancelled_at IS NOT NULL)
+      AND coalesce(done_at, cancelled_at) < now() - make_interval(secs => %(retention)s)
+    ORDER BY coalesce(done_at, cancelled_at)
+    LIMIT %(batch)s
+)
 RETURNING id;
 
+-- name: cron_lock
+-- Creates the schedule's row on first sight, then holds it for this transaction.
+WITH ins AS (
+    INSERT INTO __SCHEMA__.outbox_cron (name, last_tick) VALUES (%(name)s, %(initial)s)
+    ON CONFLICT (name) DO NOTHING
+)
+SELECT 1;
+
+-- name: cron_last
+SELECT last_tick FROM __SCHEMA__.outbox_cron WHERE name = %(name)s FOR UPDATE;
+
+-- name: cron_advance
+UPDATE __SCHEMA__.outbox_cron SET last_tick = greatest(last_tick, %(tick)s) WHERE name = %(name)s;
+
 -- name: settle_delete
-DELETE FROM __SCHEMA__.outbox WHERE id = %(id)s AND claim_token = %(token)s RETURNING id;
+-- Every settle is fenced by the claim token and yields to a cancel request (settle_cancel).
+DELETE FROM __SCHEMA__.outbox WHERE id = %(id)s AND claim_token = %(token)s
+  AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
+RETURNING id;
 
 -- name: settle_done
 UPDATE __SCHEMA__.outbox SET done_at = now(), claim_token = NULL, started_at = NULL,
     claimed_at = NULL
 WHERE id = %(id)s AND claim_token = %(token)s
+  AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
 RETURNING id;
 
 -- name: settle_retry
 UPDATE __SCHEMA__.outbox SET due_at = now() + make_interval(secs => %(delay)s),
     claim_token = NULL, started_at = NULL, claimed_at = NULL, last_error = %(error)s
 WHERE id = %(id)s AND claim_token = %(token)s
+  AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
 RETURNING id;
 
 -- name: settle_park
 UPDATE __SCHEMA__.outbox SET parked_at = now(), claim_token = NULL, started_at = NULL,
     claimed_at = NULL, last_error = %(error)s
 WHERE id = %(id)s AND claim_token = %(token)s
+  AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
 RETURNING id;
+
+-- name: settle_cancel
+-- The claim holder settles a row someone asked to cancel: it keeps who, when and why.
+WITH req AS (
+    DELETE FROM __SCHEMA__.outbox_cancel WHERE row_id = %(id)s
+    RETURNING reason, requested_by
+)
+UPDATE __SCHEMA__.outbox o SET cancelled_at = now(), cancel_reason = req.reason,
+    cancelled_by = req.requested_by, claim_token = NULL, started_at = NULL, claimed_at = NULL,
+    waiting = false
+FROM req
+WHERE o.id = %(id)s AND o.claim_token = %(token)s
+RETURNING o.id;
 
 -- name: status
 SELECT family,
@@ -108,9 +198,10 @@ SELECT family,
     count(*) FILTER (WHERE cancelled_at IS NOT NULL) AS cancelled,
     count(*) FILTER (WHERE done_at IS NOT NULL) AS done,
     coalesce(extract(epoch FROM now() - min(due_at) FILTER (WHERE live AND due_at <= now())), 0)
-        AS oldest_due_age
+        AS oldest_due_age,
+    count(*) FILTER (WHERE live AND maybe_applied) AS maybe_applied
 FROM (
-    SELECT family, due_at, claim_token, parked_at, cancelled_at, done_at,
+    SELECT family, due_at, claim_token, parked_at, cancelled_at, done_at, maybe_applied,
            parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL AS live
     FROM __SCHEMA__.outbox
 ) s
