@@ -1,0 +1,76 @@
+"""The app of the lifecycle process tests: long handlers, a transactional handler, a load
+handler and (with OUTBOX_TEST_CRON=1) a cron schedule ticking every second."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import Celery
+
+from outbox_dispatch import Context, Dispatcher
+
+DATABASE_URL = os.environ["OUTBOX_TEST_DATABASE_URL"]
+SCHEMA = os.environ["OUTBOX_TEST_SCHEMA"]
+REDIS_URL = os.environ["OUTBOX_TEST_REDIS_URL"]
+KEY_PREFIX = os.environ["OUTBOX_TEST_KEY_PREFIX"]
+LEASE = float(os.environ.get("OUTBOX_TEST_LEASE", "3"))
+
+app = Celery("lifecycle_acceptance", broker=REDIS_URL)
+app.conf.update(
+    broker_transport_options={"global_keyprefix": KEY_PREFIX},
+    task_ignore_result=True,
+    worker_hijack_root_logger=False,
+)
+dispatcher = Dispatcher(
+    app,
+    database_url=DATABASE_URL,
+    redis_url=REDIS_URL,
+    schema=SCHEMA,
+    key_prefix=KEY_PREFIX.rstrip(":"),
+    claim_interval=0.25,
+    pool_size=6,
+)
+dispatcher.family("slow", lease=LEASE, max_attempts=5)
+dispatcher.family("txn", lease=LEASE, max_attempts=50)
+dispatcher.family("load", lease=LEASE, max_in_flight=100)
+
+
+def record(ctx: Context, kind: str, payload: Any) -> None:
+    with dispatcher.store.connection() as conn:
+        conn.execute(
+            f'INSERT INTO "{SCHEMA}".runs (row_id, kind, attempt, maybe_applied, pid, tick)'
+            " VALUES (%s, %s, %s, %s, %s, %s)",
+            (
+                ctx.row_id,
+                kind,
+                ctx.attempt,
+                ctx.maybe_applied,
+                os.getpid(),
+                (payload or {}).get("cron_tick"),
+            ),
+        )
+
+
+@dispatcher.handler("slow.run", family="slow")
+def slow(ctx: Context, payload: Any) -> None:
+    record(ctx, "start", payload)
+    time.sleep(payload["sleep"] if ctx.attempt == 1 else 0.01)
+    record(ctx, "end", payload)
+
+
+@dispatcher.handler("txn.write", family="txn", transactional=True)
+def write(ctx: Context, payload: Any) -> None:
+    ctx.conn.execute(f'INSERT INTO "{SCHEMA}".effects (row_id) VALUES (%s)', (ctx.row_id,))
+    time.sleep(payload.get("sleep", 0.03))
+
+
+@dispatcher.handler("load.run", family="load")
+def load(ctx: Context, payload: Any) -> None:
+    time.sleep(payload.get("sleep", 0.02))
+    record(ctx, "end", payload)
+
+
+if os.environ.get("OUTBOX_TEST_CRON"):
+    dispatcher.cron("every-second", "* * * * * *", "load.run", {"sleep": 0.001}, catch_up="all")
