@@ -83,7 +83,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     dispatcher, _ = load_dispatcher(args.app)
     rows = [dataclasses.asdict(s) for s in dispatcher.status()]
     columns = ["family", "due", "scheduled", "in_flight", "parked", "cancelled", "done"]
-    columns += ["waiting", "blocked", "actors_at_cap"]
+    columns += ["maybe_applied", "waiting", "blocked", "actors_at_cap"]
     shown = [{**r, "oldest_due_age": f"{r['oldest_due_age']:.1f}s"} for r in rows]
     _emit(args, rows, table(shown, [*columns, "oldest_due_age"]))
     return 0
