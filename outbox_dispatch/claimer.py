@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,5 +225,18 @@ def message_options(family: Family, row: Claimed, queue: str) -> dict[str, Any]:
         "routing_key": queue,
         "shadow": f"{family.name}:{row.command}",
         "argsrepr": f"(row={row.id}, actor={row.actor!r}, attempt={row.attempts})",
+        "kwargsrepr": "{}",
+    }
+
+
+def batch_options(family: Family, rows: Sequence[Claimed], queue: str) -> dict[str, Any]:
+    """Celery publish options of a batched message: Flower shows the family and the row ids."""
+    commands = sorted({r.command for r in rows})
+    shown = commands[0] if len(commands) == 1 else "mixed"
+    return {
+        "queue": queue,
+        "routing_key": queue,
+        "shadow": f"{family.name}:{shown}[{len(rows)}]",
+        "argsrepr": f"(rows={[r.id for r in rows]})",
         "kwargsrepr": "{}",
     }

@@ -57,6 +57,22 @@ def parse_message(args: tuple[Any, ...]) -> tuple[int, UUID] | None:
         return None
 
 
+MAX_BATCH = 1000
+
+
+def parse_batch(args: tuple[Any, ...]) -> list[tuple[int, UUID]] | None:
+    """A batched message is one list of [row id, claim token] pairs."""
+    if len(args) != 1 or not isinstance(args[0], list) or not 0 < len(args[0]) <= MAX_BATCH:
+        return None
+    pairs = []
+    for item in args[0]:
+        pair = parse_message(tuple(item)) if isinstance(item, list | tuple) else None
+        if pair is None:
+            return None
+        pairs.append(pair)
+    return pairs
+
+
 class _Cancelled(Exception):
     """Unwinds a transactional handler's transaction when its row was cancelled."""
 
@@ -87,22 +103,87 @@ class Delivery:
         self.rand = rand
         self.heartbeats = Heartbeats(store)
 
-    def deliver_message(self, args: tuple[Any, ...]) -> Result:
-        parsed = parse_message(args)
-        if parsed is None:
-            shown = repr(args)[:200]
-            event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
-            return Result(Outcome.STALE, None, "garbage message")
-        return self.deliver(*parsed)
+    def deliver_message(
+        self, args: tuple[Any, ...], *, family_hint: str | None = None
+    ) -> list[Result]:
+        """Deliver what a broker message names: one (id, token) pair or a batch of them."""
+        pair = parse_message(args)
+        if pair is not None:
+            return [self.deliver(*pair, family_hint=family_hint)]
+        pairs = parse_batch(args)
+        if pairs is not None:
+            return self.deliver_batch(pairs, family_hint=family_hint)
+        shown = repr(args)[:200]
+        event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
+        return [Result(Outcome.STALE, None, "garbage message")]
 
-    def deliver(self, row_id: int, token: UUID, *, family_hint: str | None = None) -> Result:
-        lease = self._lease_for(family_hint)
-        started = self.store.begin(row_id, token, lease)
-        if started is None:
-            why = self.store.why_stale(row_id, token)
-            event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
-            return Result(Outcome.STALE, row_id, why)
-        family = self.families.get(started.family)
+    def deliver_batch(
+        self, pairs: list[tuple[int, UUID]], *, family_hint: str | None = None
+    ) -> list[Result]:
+        """A batched message: start every row in one statement, run the handlers one after
+        another, settle the successes in one statement (failures, cancels and transactional
+        rows settle one by one). If the worker dies mid-batch, every unsettled row of the
+        batch counts as started: its next attempt runs with maybe_applied set."""
+        started = self.store.begin_many(pairs, self._lease_for(family_hint))
+        results = [
+            Result(Outcome.STALE, row_id, "stale in batch")
+            for row_id, _ in pairs
+            if row_id not in {s.id for s in started}
+        ]
+        if results:
+            event(log, logging.INFO, "stale_dropped", f"{len(results)} stale rows in a batch")
+        entries: list[tuple[Started, Running]] = []
+        for s in started:
+            family = self.families.get(s.family)
+            reg = self.registry.registration(s.command)
+            if family is None or reg is None or reg.fn is None or s.cancel_requested:
+                results.append(self._start_checked(s, family))
+                continue
+            _ctx, running = self._context(s, family, reg.transactional)
+            self.heartbeats.add(running)
+            entries.append((s, running))
+        done: list[Started] = []
+        try:
+            for s, running in entries:
+                family = self.families[s.family]
+                reg = self.registry.registration(s.command)
+                assert reg is not None
+                assert reg.fn is not None
+                if reg.transactional:
+                    results.append(self._run_in_transaction(s, family, reg.fn, running.ctx))
+                    continue
+                try:
+                    reg.fn(running.ctx, s.payload)
+                except PermanentFailure as exc:
+                    results.append(self._park(s, family, describe_error(exc)))
+                except Exception as exc:
+                    results.append(self._failed(s, family, exc))
+                else:
+                    done.append(s)
+            results += self._settle_successes(done)
+        finally:
+            for s, _ in entries:
+                self.heartbeats.remove(s.id)
+        return results
+
+    def _settle_successes(self, done: list[Started]) -> list[Result]:
+        results: list[Result] = []
+        by_kind: dict[str, list[Started]] = {}
+        for s in done:
+            kind = "done" if self.families[s.family].retention > 0 else "delete"
+            by_kind.setdefault(kind, []).append(s)
+        for kind, rows in by_kind.items():
+            settled = self.store.settle_many(kind, [(s.id, s.token) for s in rows])
+            for s in rows:
+                if s.id in settled:
+                    event(log, logging.INFO, "delivered", "handler ok (batch)", **_fields(s))
+                    results.append(Result(Outcome.DELIVERED, s.id))
+                else:  # a cancel request arrived, or the claim was lost
+                    results.append(self._succeeded(s, self.families[s.family], 0.0))
+        return results
+
+    def _start_checked(self, started: Started, family: Family | None) -> Result:
+        """The checks before a handler runs, for rows that fail them."""
         if family is None:
             return self._park(
                 started,
@@ -110,18 +191,18 @@ class Delivery:
                 f"family {started.family!r} is not declared in this worker: "
                 "declare it with dispatcher.family() and retry the parked row",
             )
-        if not self._slot_still_held(started, family):
-            return Result(Outcome.STALE, row_id, "cap slot lapsed")
         if started.cancel_requested:  # cancelled while on its way here: never runs
             return self._cancelled(started, family)
-        reg = self.registry.registration(started.command)
-        if reg is None or reg.fn is None:
-            return self._park(
-                started,
-                family,
-                f"no handler for command {started.command!r} in this worker: "
-                "register it with @dispatcher.handler and run `outbox-dispatch parked retry`",
-            )
+        return self._park(
+            started,
+            family,
+            f"no handler for command {started.command!r} in this worker: "
+            "register it with @dispatcher.handler and run `outbox-dispatch parked retry`",
+        )
+
+    def _context(
+        self, started: Started, family: Family, transactional: bool
+    ) -> tuple[Context, Running]:
         ctx = Context(
             row_id=started.id,
             family=started.family,
@@ -136,21 +217,35 @@ class Delivery:
             ctx=ctx,
             token=started.token,
             lease=family.lease,
-            transactional=reg.transactional,
+            transactional=transactional,
             renew_slot=self._slot_renewer(started, family),
             next_at=time.monotonic() + family.lease / 3,
         )
+        return ctx, running
+
+    def deliver(self, row_id: int, token: UUID, *, family_hint: str | None = None) -> Result:
+        lease = self._lease_for(family_hint)
+        started = self.store.begin(row_id, token, lease)
+        if started is None:
+            why = self.store.why_stale(row_id, token)
+            event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
+            return Result(Outcome.STALE, row_id, why)
+        family = self.families.get(started.family)
+        if family is not None and not self._slot_still_held(started, family):
+            return Result(Outcome.STALE, row_id, "cap slot lapsed")
+        reg = self.registry.registration(started.command)
+        if family is None or reg is None or reg.fn is None or started.cancel_requested:
+            return self._start_checked(started, family)
+        ctx, running = self._context(started, family, reg.transactional)
         self.heartbeats.add(running)
         try:
             if reg.transactional:
-                return self._run_in_transaction(started, family, reg.fn, ctx, running)
-            return self._run(started, family, reg.fn, ctx, running)
+                return self._run_in_transaction(started, family, reg.fn, ctx)
+            return self._run(started, family, reg.fn, ctx)
         finally:
             self.heartbeats.remove(started.id)
 
-    def _run(
-        self, started: Started, family: Family, fn: HandlerFn, ctx: Context, running: Running
-    ) -> Result:
+    def _run(self, started: Started, family: Family, fn: HandlerFn, ctx: Context) -> Result:
         fields = _fields(started)
         event(log, logging.DEBUG, "handler_started", "running handler", **fields)
         t0 = time.perf_counter()
@@ -163,7 +258,7 @@ class Delivery:
         return self._succeeded(started, family, time.perf_counter() - t0)
 
     def _run_in_transaction(
-        self, started: Started, family: Family, fn: HandlerFn, ctx: Context, running: Running
+        self, started: Started, family: Family, fn: HandlerFn, ctx: Context
     ) -> Result:
         """The handler's writes and the row's settle commit together, under the row's lock,
         or not at all: exactly-once effects for work that stays in Postgres."""

@@ -13,9 +13,9 @@ from celery import Celery
 
 from . import wiring
 from .caps import Caps
-from .claimer import Claimer, ClaimReport, message_options
+from .claimer import Claimer, ClaimReport, batch_options, message_options
 from .cron import CatchUp, Schedule
-from .delivery import Delivery, Outcome, Result, parse_message
+from .delivery import Delivery, Outcome, Result
 from .errors import ConfigurationError, DrainLoop, DrainTimeout, InvalidArgument, UnknownFamily
 from .handlers import HandlerFn, Registration, Registry
 from .logs import event
@@ -144,6 +144,7 @@ class Dispatcher:
         retention: float | timedelta = 0.0,
         on_lost: str | LostAttempt = LostAttempt.RETRY,
         parked_blocks: bool = True,
+        batch: int = 1,
     ) -> Family:
         """Declare a family (its own queue ``<prefix>.<name>``) or replace a family's policy.
 
@@ -170,8 +171,9 @@ class Dispatcher:
             retention=keep,
             on_lost=lost,
             parked_blocks=parked_blocks,
+            batch=batch,
         )
-        if fam.ordered and self.registry.capped_commands(name):
+        if (fam.ordered or fam.batch > 1) and self.registry.capped_commands(name):
             raise ConfigurationError(
                 f"family {name!r} is ordered: its handlers cannot set per_actor"
             )
@@ -202,10 +204,10 @@ class Dispatcher:
             if isinstance(per_actor, bool) or not isinstance(per_actor, int) or per_actor < 1:
                 raise ConfigurationError(f"per_actor must be None or >= 1, got {per_actor!r}")
             self._need_redis(f"handler {command!r} with per_actor={per_actor}")
-            if family in self.families and self.families[family].ordered:
+            fam = self.families.get(family)
+            if fam is not None and (fam.ordered or fam.batch > 1):
                 raise ConfigurationError(
-                    f"family {family!r} is ordered (one row per actor at a time): "
-                    "per_actor does not apply"
+                    f"family {family!r} is ordered or batched: per_actor does not apply"
                 )
 
         def decorate(fn: HandlerFn) -> HandlerFn:
@@ -309,13 +311,23 @@ class Dispatcher:
     # -- claim, publish, deliver ----------------------------------------------------------
 
     def publish(self, family: Family, rows: Sequence[Claimed]) -> None:
+        """One message per row, or per ``family.batch`` rows; all on one producer connection."""
         queue = self.queue_name(family.name)
         with self.app.producer_or_acquire() as producer:
-            for row in rows:
+            if family.batch == 1:
+                for row in rows:
+                    self._deliver_task.apply_async(
+                        (row.id, str(row.token)),
+                        producer=producer,
+                        **message_options(family, row, queue),
+                    )
+                return
+            for i in range(0, len(rows), family.batch):
+                chunk = rows[i : i + family.batch]
                 self._deliver_task.apply_async(
-                    (row.id, str(row.token)),
+                    ([[r.id, str(r.token)] for r in chunk],),
                     producer=producer,
-                    **message_options(family, row, queue),
+                    **batch_options(family, chunk, queue),
                 )
 
     def claim_and_publish(self, families: list[str] | None = None) -> ClaimReport:
@@ -328,15 +340,12 @@ class Dispatcher:
             event(log, logging.INFO, "claim_pass", f"published {report.claimed}")
         return report
 
-    def _deliver_from_queue(self, args: tuple[Any, ...], routing_key: str | None) -> Result:
+    def _deliver_from_queue(self, args: tuple[Any, ...], routing_key: str | None) -> list[Result]:
         prefix = self.queue_prefix + "."
         hint = (
             routing_key[len(prefix) :] if routing_key and routing_key.startswith(prefix) else None
         )
-        pair = parse_message(args)
-        if pair is None:
-            return self.delivery.deliver_message(args)  # logs and drops the garbage
-        return self.delivery.deliver(*pair, family_hint=hint)
+        return self.delivery.deliver_message(args, family_hint=hint)
 
     def drain(self, timeout: float = 30.0, *, max_rounds: int = 100) -> DrainReport:
         """Claim and deliver in this process until nothing is due. For tests and scripts.
@@ -366,9 +375,16 @@ class Dispatcher:
                         f"drain: deliveries kept staging due rows for {max_rounds} rounds "
                         f"({report.outcomes}): a handler probably enqueues itself without end"
                     )
-            for fam, claimed in batch:
-                res = self.delivery.deliver(claimed.id, claimed.token, family_hint=fam.name)
-                _bump(report.outcomes, res.outcome.value, 1)
+            for fam, group in _groups(batch):
+                if fam.batch > 1:
+                    pairs = [(c.id, c.token) for c in group]
+                    results = self.delivery.deliver_batch(pairs, family_hint=fam.name)
+                else:
+                    results = [
+                        self.delivery.deliver(c.id, c.token, family_hint=fam.name) for c in group
+                    ]
+                for res in results:
+                    _bump(report.outcomes, res.outcome.value, 1)
             if time.monotonic() > deadline:
                 raise DrainTimeout(
                     f"drain: {timeout} s passed with rows still due ({report.outcomes}): "
@@ -566,6 +582,17 @@ def _check_conn(conn: object) -> Conn:
             f"{type(conn).__name__}: the row must commit with your business change"
         )
     return conn
+
+
+def _groups(claimed: list[tuple[Family, Claimed]]) -> list[tuple[Family, list[Claimed]]]:
+    """Claimed rows by family, in chunks of the family's batch size."""
+    by_family: dict[str, tuple[Family, list[Claimed]]] = {}
+    for fam, c in claimed:
+        by_family.setdefault(fam.name, (fam, []))[1].append(c)
+    out = []
+    for fam, rows in by_family.values():
+        out += [(fam, rows[i : i + fam.batch]) for i in range(0, len(rows), fam.batch)]
+    return out
 
 
 def _bump(counts: dict[str, int], key: str, n: int) -> None:

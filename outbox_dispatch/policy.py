@@ -62,6 +62,7 @@ class Family:
     retention: float = 0.0
     on_lost: LostAttempt = LostAttempt.RETRY
     parked_blocks: bool = True
+    batch: int = 1  # rows per delivery message; > 1 trades per-row latency for throughput
 
     def __post_init__(self) -> None:
         family_name(self.name)
@@ -81,6 +82,13 @@ class Family:
             raise ConfigurationError(f"family {self.name!r}: per_actor must be None or >= 1")
         if self.retention < 0:
             raise ConfigurationError(f"family {self.name!r}: retention must be >= 0 seconds")
+        if not isinstance(self.batch, int) or not 1 <= self.batch <= 1000:
+            raise ConfigurationError(f"family {self.name!r}: batch must be 1-1000 rows")
+        if self.batch > 1 and (self.ordered or self.per_actor is not None):
+            raise ConfigurationError(
+                f"family {self.name!r}: batched delivery is for families without per-actor "
+                "caps or ordering (their rows must start one by one)"
+            )
         if self.ordered and self.per_actor is not None:
             raise ConfigurationError(
                 f"family {self.name!r}: an ordered family runs one row per actor at a time "

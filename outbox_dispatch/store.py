@@ -356,6 +356,29 @@ class Store:
             bool(cancel),
         )
 
+    def begin_many(self, pairs: Sequence[tuple[int, UUID]], lease: float) -> list[Started]:
+        """Start every row of a batched message whose claim still holds, in one statement."""
+        params = {"ids": [i for i, _ in pairs], "tokens": [t for _, t in pairs], "lease": lease}
+        with translated("delivery start"), self.connection() as conn:
+            rows = conn.execute(self.q["begin_many"], params).fetchall()
+        started = [
+            Started(
+                int(r[0]), r[1], r[2], r[3], r[4], r[5], int(r[6]), bool(r[7]), r[8], bool(r[9])
+            )
+            for r in rows
+        ]
+        order = {row_id: i for i, (row_id, _) in enumerate(pairs)}
+        return sorted(started, key=lambda s: order[s.id])
+
+    def settle_many(self, kind: str, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
+        """Settle a batch's successes (``delete`` or ``done``); returns the ids settled."""
+        if not pairs:
+            return set()
+        params = {"ids": [i for i, _ in pairs], "tokens": [t for _, t in pairs]}
+        with translated(f"settle ({kind})"), self.connection() as conn:
+            rows = conn.execute(self.q[f"settle_{kind}_many"], params).fetchall()
+        return {int(r[0]) for r in rows}
+
     def why_stale(self, row_id: int, token: UUID) -> str:
         with translated("stale check"), self.connection() as conn:
             row = conn.execute(self.q["explain_stale"], {"id": row_id, "token": token}).fetchone()

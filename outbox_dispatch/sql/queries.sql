@@ -401,3 +401,29 @@ FROM __SCHEMA__.outbox
 WHERE family = ANY(%(families)s::text[]) AND actor IS NOT NULL
   AND claim_token IS NOT NULL AND due_at > now()
 GROUP BY family, actor;
+
+-- name: begin_many
+-- Delivery start for a batched message: every row whose claim still holds starts at once.
+UPDATE __SCHEMA__.outbox o SET started_at = now(),
+    due_at = now() + make_interval(secs => %(lease)s)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
+WHERE o.id = p.id AND o.claim_token = p.token AND o.started_at IS NULL AND o.due_at > now()
+RETURNING o.id, o.claim_token, o.family, o.command, o.actor, o.payload, o.attempts,
+    o.maybe_applied, o.dedupe_key,
+    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id);
+
+-- name: settle_delete_many
+-- The successes of a batch in one statement; rows with a cancel request are left to settle_cancel.
+DELETE FROM __SCHEMA__.outbox o
+USING unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
+WHERE o.id = p.id AND o.claim_token = p.token
+  AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id)
+RETURNING o.id;
+
+-- name: settle_done_many
+UPDATE __SCHEMA__.outbox o SET done_at = now(), claim_token = NULL, started_at = NULL,
+    claimed_at = NULL
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
+WHERE o.id = p.id AND o.claim_token = p.token
+  AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id)
+RETURNING o.id;

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.signals import before_task_publish
 
 from outbox_dispatch import Backoff, Context, Dispatcher
 
@@ -57,6 +58,7 @@ def dispatcher(
 ) -> Iterator[Dispatcher]:
     d = Dispatcher(celery_app, database_url=database_url, redis_url=redis_url, schema=schema)
     d.family("quick", max_attempts=3, lease=5, backoff=Backoff(base=0.05, cap=0.1, jitter=0.0))
+    d.family("bulk", max_attempts=3, lease=10, batch=10, backoff=Backoff(0.05, 0.1, 0.0))
     yield d
     d.close()
 
@@ -108,3 +110,15 @@ def worker(celery_app: Celery, dispatcher: Dispatcher) -> Iterator[object]:
 def conn(database_url: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(database_url) as c:
         yield c
+
+
+@pytest.fixture
+def published() -> Iterator[list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+
+    def record(sender: Any = None, body: Any = None, headers: Any = None, **kw: Any) -> None:
+        seen.append({"task": sender, "body": body, "headers": dict(headers or {}), **kw})
+
+    before_task_publish.connect(record, weak=False)
+    yield seen
+    before_task_publish.disconnect(record)

@@ -146,10 +146,13 @@ def test_stale_and_forged_messages_run_nothing_and_settle_nothing(
         (-1, str(new_token)),
         ({"id": row_id}, None),
         (),
+        ([[row_id, str(old_token)]],),  # a batch naming the old claim
+        ([[row_id, str(new_token)], "junk"],),  # a batch with garbage in it
+        ([],),
     ]
     for args in garbage:
-        result = dispatcher.delivery.deliver_message(args)
-        assert result.outcome is Outcome.STALE, args
+        results = dispatcher.delivery.deliver_message(args)
+        assert [r.outcome for r in results] == [Outcome.STALE], args
     assert effects.rows(cmd) == []
     assert _row(database_url, dispatcher.schema, row_id) == before
 

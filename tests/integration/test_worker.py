@@ -4,13 +4,11 @@ in-process worker delivers; what Flower shows; the app's wiring."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
-import pytest
 from celery import Celery
-from celery.signals import before_task_publish
 
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.wiring import CLAIM_ENTRY, CLAIM_TASK, DELIVER_TASK
@@ -25,18 +23,6 @@ def _wait(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.02)
-
-
-@pytest.fixture
-def published() -> Iterator[list[dict[str, Any]]]:
-    seen: list[dict[str, Any]] = []
-
-    def record(sender: Any = None, body: Any = None, headers: Any = None, **kw: Any) -> None:
-        seen.append({"task": sender, "body": body, "headers": dict(headers or {}), **kw})
-
-    before_task_publish.connect(record, weak=False)
-    yield seen
-    before_task_publish.disconnect(record)
 
 
 def test_claimer_publishes_ids_and_tokens_and_the_worker_delivers_once(
