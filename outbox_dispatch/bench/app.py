@@ -41,6 +41,7 @@ def noop(n: int) -> None:
 
 dispatcher.family("uncapped", lease=60, max_in_flight=1000)
 dispatcher.family("capped", lease=60, max_in_flight=1000, per_actor=4)
+dispatcher.family("batched", lease=60, max_in_flight=2000, batch=50)
 
 
 def outbox_noop(ctx: Context, payload: Any) -> None:
@@ -50,3 +51,4 @@ def outbox_noop(ctx: Context, payload: Any) -> None:
 dispatcher.handler("bench.noop", family="intent")(outbox_noop)
 dispatcher.handler("bench.uncapped", family="uncapped")(outbox_noop)
 dispatcher.handler("bench.capped", family="capped")(outbox_noop)
+dispatcher.handler("bench.batched", family="batched")(outbox_noop)
