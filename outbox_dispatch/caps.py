@@ -186,6 +186,25 @@ class Caps:
         except redis.RedisError as exc:
             raise CapsUnavailable(f"cap {name} failed: {exc!r}") from exc
 
+    def _run_id(self) -> str:
+        info = self.client.info("server")
+        return str(info.get("run_id", ""))
+
+    def check_generation(self) -> None:
+        """Drop the sentinel when it was written by another Redis run: a server restarted from
+        an older snapshot brings the sentinel back but not the newer holders, so the semaphores
+        must be rebuilt. (Use maxmemory-policy noeviction: an evicted key loses holders too.)"""
+        try:
+            seen = self.client.get(self.sentinel)
+            if seen is None:
+                return
+            current = self._run_id()
+            written_by = seen.decode() if isinstance(seen, bytes) else str(seen)
+            if written_by != current:
+                self.client.delete(self.sentinel)
+        except redis.RedisError as exc:
+            raise CapsUnavailable(f"Redis at {mask_dsn(self.redis_url)}: {exc!r}") from exc
+
     def complete(self) -> bool:
         try:
             return bool(self.client.exists(self.sentinel))
@@ -201,7 +220,7 @@ class Caps:
                     self._scripts["restore"](
                         keys=[self.key(family, actor)], args=[str(token), remaining], client=pipe
                     )
-                pipe.set(self.sentinel, str(uuid.uuid4()))
+                pipe.set(self.sentinel, self._run_id())
                 pipe.execute()
         except redis.RedisError as exc:
             raise CapsUnavailable(f"cap rebuild failed: {exc!r}") from exc

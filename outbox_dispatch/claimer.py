@@ -12,6 +12,7 @@ actor frees (the releasing worker makes it due) or one lease passes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -73,6 +74,7 @@ class Claimer:
                 max_in_flight=family.max_in_flight,
                 max_attempts=family.max_attempts,
                 park_lost=family.on_lost is LostAttempt.PARK,
+                max_lost=family.max_lost,
             )
         for row_id in result.parked:
             event(
@@ -104,6 +106,10 @@ class Claimer:
             raise CapsUnavailable(
                 f"family {family.name!r} has a per-actor cap but the dispatcher has no redis_url"
             )
+        # a Redis restarted from an old snapshot lost holders; when Redis is down, the claim
+        # below still sends rows without an actor and says so
+        with contextlib.suppress(CapsUnavailable):
+            self.caps.check_generation()
         try:
             return self._claim_capped_once(family, batch, self.caps)
         except CapsIncomplete:
@@ -161,6 +167,7 @@ class Claimer:
                 park_lost=family.on_lost is LostAttempt.PARK,
                 decide=decide,
                 freed=freed,
+                max_lost=family.max_lost,
             )
         except BaseException:
             caps.release_many(list(taken.values()))  # the claim rolled back: give slots back
@@ -172,8 +179,9 @@ class Claimer:
 
     def rebuild_caps(self) -> int:
         assert self.caps is not None
-        capped = [f.name for f in self.families.values() if self.is_capped(f)]
-        return self.store.rebuild_caps(capped, self.caps.restore)
+        capped = [f for f in self.families.values() if self.is_capped(f)]
+        lease = max((f.lease for f in capped), default=60.0)
+        return self.store.rebuild_caps([f.name for f in capped], self.caps.restore, lease)
 
     # -- the claim loop ---------------------------------------------------------------------
 

@@ -83,10 +83,10 @@ def due_ticks(
     start = max(last_tick, now - window)  # older ticks are outside the window anyway
     it = croniter(expr, start.astimezone(zone))
     ticks: list[datetime] = []
-    while len(ticks) < MAX_TICKS:
+    while True:
         tick: datetime = it.get_next(datetime)
         if tick > now:
             break
         if tick > last_tick:
             ticks.append(tick)
-    return ticks
+    return ticks[-MAX_TICKS:]  # when more are missed, the newest are the ones to keep

@@ -90,7 +90,7 @@ class Delivery:
         families: Mapping[str, Family],
         *,
         caps: Caps | None = None,
-        is_capped: Callable[[Family], bool] = lambda f: f.per_actor is not None,
+        cap_of: Callable[[Family, str], int | None] = lambda family, command: family.per_actor,
         wake: Callable[[str], None] = lambda family: None,
         rand: Callable[[], float] = random.random,
     ) -> None:
@@ -98,7 +98,7 @@ class Delivery:
         self.registry = registry
         self.families = families
         self.caps = caps
-        self.is_capped = is_capped
+        self.cap_of = cap_of
         self.wake = wake
         self.rand = rand
         self.heartbeats = Heartbeats(store)
@@ -331,7 +331,14 @@ class Delivery:
         return max(f.lease for f in self.families.values())
 
     def _capped(self, started: Started, family: Family) -> bool:
-        return self.caps is not None and started.actor is not None and self.is_capped(family)
+        """Whether this row took a cap slot: an actor, and a cap for its command (a family may
+        cap some commands and not others)."""
+        return (
+            self.caps is not None
+            and started.actor is not None
+            and not family.ordered
+            and self.cap_of(family, started.command) is not None
+        )
 
     def _slot_still_held(self, started: Started, family: Family) -> bool:
         """A capped row may only start while its slot is live: if the slot lapsed, another row
@@ -343,10 +350,16 @@ class Delivery:
         try:
             state = self.caps.renew(started.family, started.actor, started.token, family.lease)
         except CapsUnavailable as exc:
-            # The row's lease is live in Postgres, so its slot was live when Redis went away; a
-            # rebuild restores it from that lease.
-            event(log, logging.WARNING, "caps_unavailable", str(exc), **_fields(started))
-            return True
+            # Without Redis the slot cannot be checked: the row goes back and waits in Postgres.
+            self.store.handback(started.id, started.token)
+            event(
+                log,
+                logging.WARNING,
+                "caps_unavailable",
+                f"{exc}; row handed back",
+                **_fields(started),
+            )
+            return False
         if state == 0:
             self.store.handback(started.id, started.token)
             event(
@@ -359,18 +372,21 @@ class Delivery:
             return False
         return True
 
-    def _slot_renewer(self, started: Started, family: Family) -> Callable[[], None] | None:
+    def _slot_renewer(self, started: Started, family: Family) -> Callable[[], bool] | None:
+        """Renews the row's cap slot; False when the slot lapsed (another row of the actor may
+        hold it now), which tells the handler to stop."""
         if not self._capped(started, family):
             return None
         caps, actor = self.caps, started.actor
         assert caps is not None
         assert actor is not None
 
-        def renew() -> None:
+        def renew() -> bool:
             try:
-                caps.renew(started.family, actor, started.token, family.lease)
+                return caps.renew(started.family, actor, started.token, family.lease) != 0
             except CapsUnavailable as exc:
                 event(log, logging.WARNING, "caps_unavailable", str(exc), **_fields(started))
+                return True  # unknown: the Postgres lease still fences the settle
 
         return renew
 

@@ -103,7 +103,7 @@ class Dispatcher:
             self.registry,
             self.families,
             caps=self.caps,
-            is_capped=self.is_capped,
+            cap_of=self.cap_of,
             wake=self.wake,
         )
 
@@ -305,8 +305,7 @@ class Dispatcher:
             if not isinstance(m, Message):
                 raise InvalidArgument(f"enqueue_many takes Message objects, got {type(m).__name__}")
             rows.append(self._prepare(m.command, m.payload, m.actor, m.dedupe_key, m.delay, m.at))
-        ordered = {f.name: f.parked_blocks for f in self.families.values() if f.ordered}
-        return self.store.insert_many(_check_conn(conn), rows, ordered)
+        return self.store.insert_many(_check_conn(conn), rows, self._ordered_families())
 
     # -- claim, publish, deliver ----------------------------------------------------------
 
@@ -420,24 +419,16 @@ class Dispatcher:
         ]
 
     def parked_retry(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
-        """Parked rows due again with attempts reset; an ordered row whose actor has moved on
-        to another head gets back in line behind it."""
-        rows = self.store.parked_retry(ids=ids, family=family)
-        in_line = [i for i, fam, actor in rows if actor and self._ordered(fam)]
-        if in_line:
-            self.store.requeue_behind_head(in_line)
-        return [i for i, _, _ in rows]
+        """Parked rows due again with attempts reset; in an ordered family they get back in line
+        behind the actor's head (or become it)."""
+        return self.store.parked_retry(ids=ids, family=family, ordered=self._ordered_families())
 
     def parked_purge(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
         """Delete parked rows; an ordered actor whose parked head is gone gets its next row."""
-        rows = self.store.parked_purge(ids=ids, family=family)
-        by_family: dict[str, list[str]] = {}
-        for _, fam, actor in rows:
-            if actor and self._ordered(fam):
-                by_family.setdefault(fam, []).append(actor)
-        for fam, actors in by_family.items():
-            self.store.promote_blocked(fam, actors, self.families[fam].parked_blocks)
-        return [i for i, _, _ in rows]
+        return self.store.parked_purge(ids=ids, family=family, ordered=self._ordered_families())
+
+    def _ordered_families(self) -> dict[str, bool]:
+        return {f.name: f.parked_blocks for f in self.families.values() if f.ordered}
 
     # -- cancellation, retention, cron ------------------------------------------------------
 
@@ -473,7 +464,7 @@ class Dispatcher:
         ):
             if value is not None and not isinstance(value, str):
                 raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
-        ordered = {f.name: f.parked_blocks for f in self.families.values() if f.ordered}
+        ordered = self._ordered_families()
         now, requested = self.store.cancel(
             _check_conn(conn),
             ids=None if row_id is None else [row_id],
@@ -501,6 +492,17 @@ class Dispatcher:
             if total:
                 deleted[fam.name] = total
                 event(log, logging.INFO, "pruned", f"{total} settled rows", family=fam.name)
+            if fam.ordered:  # repair lines a crash left without a head
+                promoted = self.store.sweep_heads(fam.name, fam.parked_blocks)
+                if promoted:
+                    event(
+                        log,
+                        logging.WARNING,
+                        "heads_repaired",
+                        f"{len(promoted)} ordered actors had no head",
+                        family=fam.name,
+                    )
+        self.store.prune_cancel_requests()
         return deleted
 
     def cron(
@@ -563,9 +565,6 @@ class Dispatcher:
                     command=schedule.command,
                 )
         return written
-
-    def _ordered(self, family: str) -> bool:
-        return family in self.families and self.families[family].ordered
 
     def close(self) -> None:
         self.store.close()

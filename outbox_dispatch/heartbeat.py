@@ -30,7 +30,7 @@ class Running:
     token: UUID
     lease: float
     transactional: bool  # its own transaction holds the row: renew the slot, not the row
-    renew_slot: Callable[[], None] | None
+    renew_slot: Callable[[], bool] | None
     next_at: float
     progress: Any = None
     cancel_requested: bool = field(default=False)
@@ -79,6 +79,8 @@ class Heartbeats:
                 try:
                     self._renew(due)
                 except OutboxError as exc:  # Postgres unreachable: try again next tick
+                    for e in due:
+                        e.next_at = time.monotonic() + TICK
                     event(log, logging.WARNING, "heartbeat_failed", str(exc))
 
     def _renew(self, entries: list[Running]) -> None:
@@ -86,8 +88,9 @@ class Heartbeats:
         by_lease: dict[float, list[Running]] = {}
         for e in entries:
             e.next_at = now + e.lease / 3
-            if e.renew_slot is not None:
-                e.renew_slot()
+            if e.renew_slot is not None and not e.renew_slot():
+                self._lost(e, "cap slot lapsed (another row of the actor may hold it now)")
+                continue
             if e.transactional:
                 continue
             by_lease.setdefault(e.lease, []).append(e)

@@ -63,6 +63,7 @@ class Family:
     on_lost: LostAttempt = LostAttempt.RETRY
     parked_blocks: bool = True
     batch: int = 1  # rows per delivery message; > 1 trades per-row latency for throughput
+    max_lost: int = 5  # consecutive attempts without an outcome before the row is parked
 
     def __post_init__(self) -> None:
         family_name(self.name)
@@ -82,6 +83,8 @@ class Family:
             raise ConfigurationError(f"family {self.name!r}: per_actor must be None or >= 1")
         if self.retention < 0:
             raise ConfigurationError(f"family {self.name!r}: retention must be >= 0 seconds")
+        if not isinstance(self.max_lost, int) or self.max_lost < 1:
+            raise ConfigurationError(f"family {self.name!r}: max_lost must be >= 1")
         if not isinstance(self.batch, int) or not 1 <= self.batch <= 1000:
             raise ConfigurationError(f"family {self.name!r}: batch must be 1-1000 rows")
         if self.batch > 1 and (self.ordered or self.per_actor is not None):

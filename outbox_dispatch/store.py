@@ -222,6 +222,7 @@ class Store:
         max_in_flight: int,
         max_attempts: int | None,
         park_lost: bool,
+        max_lost: int = 5,
     ) -> ClaimResult:
         from .policy import claim_limit
 
@@ -240,6 +241,7 @@ class Store:
                     "lease": lease,
                     "max_attempts": max_attempts,
                     "park_lost": park_lost,
+                    "max_lost": max_lost,
                 },
             ).fetchall()
         return _claim_result(family, rows, limit)
@@ -255,6 +257,7 @@ class Store:
         park_lost: bool,
         decide: Callable[[list[Candidate], int], CappedDecision],
         freed: Mapping[str, int] | None = None,
+        max_lost: int = 5,
     ) -> ClaimResult:
         """A claim for a family with per-actor caps. ``decide`` picks rows and takes their
         cap slots while the candidates are locked; the shared caps lock is held to commit so a
@@ -288,6 +291,7 @@ class Store:
                         "lease": lease,
                         "max_attempts": max_attempts,
                         "park_lost": park_lost,
+                        "max_lost": max_lost,
                     },
                 ).fetchall()
             if wait:
@@ -301,12 +305,15 @@ class Store:
         self,
         families: list[str],
         restore: Callable[[list[tuple[str, str, UUID, int]]], None],
+        lease: float = 60.0,
     ) -> int:
         """Hand every live lease of the capped families to ``restore`` under the exclusive caps
         lock (no capped claim is between taking slots and committing meanwhile)."""
         with translated("caps rebuild"), self.connection() as conn, conn.transaction():
             conn.execute(self.q["lock_caps_exclusive"], {"lock_name": f"{self.schema}.caps"})
-            rows = conn.execute(self.q["live_leases"], {"families": families}).fetchall()
+            rows = conn.execute(
+                self.q["live_leases"], {"families": families, "lease_ms": int(lease * 1000)}
+            ).fetchall()
             holders = [(r[0], r[1], r[2], int(r[3])) for r in rows]
             restore(holders)
         return len(holders)
@@ -599,26 +606,68 @@ class Store:
             self.connection() as conn,
             conn.cursor(row_factory=dict_row) as cur,
         ):
-            return cur.execute(self.q["parked_list"], {"family": family, "limit": limit}).fetchall()
+            params = {"family": family, "limit": limit, "ids": None}
+            return cur.execute(self.q["parked_list"], params).fetchall()
 
     def parked_retry(
-        self, *, ids: list[int] | None = None, family: str | None = None
-    ) -> list[tuple[int, str, str | None]]:
-        with translated("parked retry"), self.connection() as conn:
-            rows = conn.execute(self.q["parked_retry"], {"ids": ids, "family": family}).fetchall()
-        return sorted((int(r[0]), r[1], r[2]) for r in rows)
+        self,
+        *,
+        ids: list[int] | None = None,
+        family: str | None = None,
+        ordered: Mapping[str, bool] | None = None,
+    ) -> list[int]:
+        """Parked rows due again, attempts reset; in ordered families the retried rows get back
+        in line and an actor without a head gets its lowest row, all in one transaction."""
+        return self._parked_change("parked_retry", ids, family, ordered or {})
 
     def parked_purge(
-        self, *, ids: list[int] | None = None, family: str | None = None
-    ) -> list[tuple[int, str, str | None]]:
-        with translated("parked purge"), self.connection() as conn:
-            rows = conn.execute(self.q["parked_purge"], {"ids": ids, "family": family}).fetchall()
-        return sorted((int(r[0]), r[1], r[2]) for r in rows)
+        self,
+        *,
+        ids: list[int] | None = None,
+        family: str | None = None,
+        ordered: Mapping[str, bool] | None = None,
+    ) -> list[int]:
+        """Delete parked rows; an ordered actor whose parked head is gone gets its next row."""
+        return self._parked_change("parked_purge", ids, family, ordered or {})
 
-    def requeue_behind_head(self, ids: list[int]) -> list[int]:
-        with translated("parked retry"), self.connection() as conn:
-            rows = conn.execute(self.q["requeue_behind_head"], {"ids": ids}).fetchall()
-        return [int(r[0]) for r in rows]
+    def _parked_change(
+        self, query: str, ids: list[int] | None, family: str | None, ordered: Mapping[str, bool]
+    ) -> list[int]:
+        sel = {"ids": ids, "family": family, "limit": 1_000_000}
+        with translated(query.replace("_", " ")), self.connection() as conn, conn.transaction():
+            found = conn.execute(self.q["parked_list"], sel).fetchall()
+            lines = sorted({(r[1], r[3]) for r in found if r[1] in ordered and r[3] is not None})
+            for fam, actor in lines:
+                lock = _actor_lock(self.schema, fam, actor)
+                conn.execute(self.q["lock_actor"], {"lock_name": lock})
+            chosen = [int(r[0]) for r in found]
+            rows = conn.execute(self.q[query], {"ids": chosen, "family": None}).fetchall()
+            done = sorted(int(r[0]) for r in rows)
+            in_line = [int(r[0]) for r in rows if r[1] in ordered and r[2] is not None]
+            if query == "parked_retry" and in_line:
+                conn.execute(self.q["block_rows"], {"ids": in_line})
+            by_family: dict[str, list[str]] = {}
+            for fam, actor in lines:
+                by_family.setdefault(fam, []).append(actor)
+            for fam, actors in by_family.items():
+                conn.execute(
+                    self.q["promote_blocked"],
+                    {"family": fam, "actors": actors, "parked_blocks": ordered[fam]},
+                )
+        return done
+
+    def sweep_heads(self, family: str, parked_blocks: bool) -> list[int]:
+        """Give every headless actor of an ordered family its next row (crash repair)."""
+        with translated("ordered sweep"), self.connection() as conn:
+            rows = conn.execute(
+                self.q["headless_actors"], {"family": family, "parked_blocks": parked_blocks}
+            ).fetchall()
+        actors = [r[0] for r in rows]
+        return self.promote_blocked(family, actors, parked_blocks) if actors else []
+
+    def prune_cancel_requests(self) -> int:
+        with translated("prune"), self.connection() as conn:
+            return len(conn.execute(self.q["prune_cancel_requests"]).fetchall())
 
 
 def _insert_params(row: PreparedRow) -> dict[str, Any]:

@@ -59,7 +59,13 @@ def encode_payload(payload: Any, limit: int) -> str:
     # json.dumps silently turns int/float/bool/None dict keys into strings (the handler would
     # see other keys than were enqueued), and jsonb cannot store NUL: refuse both up front.
     _check_structure(payload)
-    size = len(text.encode("utf-8"))
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidPayload(
+            f"payload has a string that is not valid Unicode ({exc.reason}): "
+            "decode bytes properly before enqueueing"
+        ) from exc
     if size > limit:
         raise PayloadTooLarge(
             f"payload is {size} bytes, over the {limit}-byte limit: store the bulk elsewhere "
@@ -96,6 +102,10 @@ def _optional_key(value: object, what: str) -> str | None:
         raise InvalidArgument(f"{what} must be 1-{MAX_KEY_LENGTH} characters, got {len(value)}")
     if "\x00" in value:
         raise InvalidArgument(f"{what} must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{what} is not valid Unicode ({exc.reason})") from exc
     return value
 
 

@@ -28,9 +28,20 @@ def write_settings(app: Celery) -> None:
     conf["accept_content"] = ["json"]
     conf["result_accept_content"] = ["json"]
     conf["event_serializer"] = "json"
-    # One message reserved per pool process: a prefetched message waits while its lease runs.
-    conf.setdefault("worker_prefetch_multiplier", 1)
-    conf.setdefault("broker_connection_retry_on_startup", True)
+    on_configured(app, lambda: _soft_defaults(app))
+
+
+# Our defaults where the user kept Celery's: one message reserved per pool process (a prefetched
+# message waits while its lease runs), and no startup-retry deprecation warning.
+SOFT_DEFAULTS = {"worker_prefetch_multiplier": 1, "broker_connection_retry_on_startup": True}
+
+
+def _soft_defaults(app: Celery) -> None:
+    from celery.app.defaults import DEFAULTS
+
+    for key, value in SOFT_DEFAULTS.items():
+        if app.conf.get(key) == DEFAULTS.get(key):
+            app.conf[key] = value
 
 
 def register_tasks(

@@ -16,8 +16,12 @@ SELECT id FROM __SCHEMA__.outbox WHERE dedupe_key = %(dedupe_key)s;
 SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s));
 
 -- name: in_flight
+-- Claimed rows whose lease runs, and started rows whose lease ran out: a transactional handler
+-- holding its row locked does not renew the lease, and a dead worker's row is claimed again
+-- right away anyway.
 SELECT count(*) FROM __SCHEMA__.outbox
-WHERE family = %(family)s AND claim_token IS NOT NULL AND due_at > now();
+WHERE family = %(family)s AND claim_token IS NOT NULL
+  AND (due_at > now() OR started_at IS NOT NULL);
 
 -- name: claim
 -- One statement: pick due rows of a family from the outbox_due index range, skip rows that
@@ -37,8 +41,8 @@ judged AS (
     SELECT o.id,
            o.started_at IS NOT NULL AS lost,
            o.started_at IS NOT NULL AND (
-               %(park_lost)s OR (%(max_attempts)s::int IS NOT NULL
-                                 AND o.attempts >= %(max_attempts)s::int)
+               %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
+               OR (%(max_attempts)s::int IS NOT NULL AND o.attempts >= %(max_attempts)s::int)
            ) AS exhausted
     FROM __SCHEMA__.outbox o JOIN picked USING (id)
 )
@@ -47,6 +51,7 @@ UPDATE __SCHEMA__.outbox o SET
         WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
         ELSE o.attempts + 1 END,
     maybe_applied = o.maybe_applied OR j.lost,
+    lost_attempts = o.lost_attempts + j.lost::int,
     last_error = CASE WHEN j.lost
         THEN 'attempt ' || o.attempts || ' ended without an outcome (worker died or lease ran out)'
         ELSE o.last_error END,
@@ -55,7 +60,8 @@ UPDATE __SCHEMA__.outbox o SET
     started_at = NULL,
     waiting = false,
     parked_at = CASE WHEN j.exhausted THEN now() END,
-    due_at = CASE WHEN j.exhausted THEN o.due_at ELSE now() + make_interval(secs => %(lease)s) END
+    due_at = CASE WHEN j.exhausted THEN o.due_at
+                  ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
 FROM judged j
 WHERE o.id = j.id
 RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.last_error;
@@ -66,6 +72,7 @@ RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.la
 UPDATE __SCHEMA__.outbox SET started_at = now(),
     due_at = now() + make_interval(secs => %(lease)s)
 WHERE id = %(id)s AND claim_token = %(token)s AND started_at IS NULL AND due_at > now()
+  AND NOT waiting
 RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
     EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id) AS cancel_requested;
 
@@ -80,7 +87,7 @@ UPDATE __SCHEMA__.outbox o SET due_at = now() + make_interval(secs => %(lease)s)
     progress = coalesce(p.progress, o.progress)
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(progress)s::jsonb[])
     AS p(id, token, progress)
-WHERE o.id = p.id AND o.claim_token = p.token
+WHERE o.id = p.id AND o.claim_token = p.token AND o.due_at > now()
 RETURNING o.id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id);
 
 -- name: cancel_requests
@@ -135,6 +142,15 @@ DELETE FROM __SCHEMA__.outbox WHERE id IN (
 )
 RETURNING id;
 
+-- name: prune_cancel_requests
+-- Cancel requests whose row was settled (or deleted) before the request committed.
+DELETE FROM __SCHEMA__.outbox_cancel c
+WHERE NOT EXISTS (
+    SELECT 1 FROM __SCHEMA__.outbox o
+    WHERE o.id = c.row_id AND o.cancelled_at IS NULL AND o.done_at IS NULL
+)
+RETURNING row_id;
+
 -- name: cron_lock
 -- Creates the schedule's row on first sight, then holds it for this transaction.
 WITH ins AS (
@@ -164,7 +180,8 @@ RETURNING id;
 
 -- name: settle_retry
 UPDATE __SCHEMA__.outbox SET due_at = now() + make_interval(secs => %(delay)s),
-    claim_token = NULL, started_at = NULL, claimed_at = NULL, last_error = %(error)s
+    claim_token = NULL, started_at = NULL, claimed_at = NULL, last_error = %(error)s,
+    lost_attempts = 0
 WHERE id = %(id)s AND claim_token = %(token)s
   AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
 RETURNING id;
@@ -211,11 +228,12 @@ GROUP BY family ORDER BY family;
 SELECT id, family, command, actor, attempts, maybe_applied, last_error, created_at, parked_at
 FROM __SCHEMA__.outbox
 WHERE parked_at IS NOT NULL AND (%(family)s::text IS NULL OR family = %(family)s)
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
 ORDER BY parked_at, id
 LIMIT %(limit)s;
 
 -- name: parked_retry
-UPDATE __SCHEMA__.outbox SET parked_at = NULL, attempts = 0, due_at = now(),
+UPDATE __SCHEMA__.outbox SET parked_at = NULL, attempts = 0, lost_attempts = 0, due_at = now(),
     claim_token = NULL, started_at = NULL, claimed_at = NULL
 WHERE parked_at IS NOT NULL
   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
@@ -255,36 +273,50 @@ ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
 RETURNING id;
 
 -- name: promote_blocked
--- Run under lock_actor for each actor named. For each actor of the family that has blocked
--- rows but no head any more, the lowest blocked id becomes the head.
+-- Run under lock_actor for each actor named. Each named actor of the family that has no head
+-- (outbox_heads) gets its lowest blocked id as head (outbox_actor_queue): two index probes per
+-- actor, whatever its backlog.
 UPDATE __SCHEMA__.outbox o SET blocked = false, due_at = greatest(o.ready_at, now())
 FROM (
-    SELECT DISTINCT ON (b.actor) b.id
-    FROM __SCHEMA__.outbox b
-    WHERE b.family = %(family)s AND b.actor = ANY(%(actors)s::text[]) AND b.blocked
-      AND b.cancelled_at IS NULL AND b.done_at IS NULL
-      AND NOT EXISTS (
-          SELECT 1 FROM __SCHEMA__.outbox h
-          WHERE h.family = b.family AND h.actor = b.actor AND NOT h.blocked
-            AND h.cancelled_at IS NULL AND h.done_at IS NULL
-            AND (h.parked_at IS NULL OR %(parked_blocks)s)
-      )
-    ORDER BY b.actor, b.id
+    SELECT n.id
+    FROM unnest(%(actors)s::text[]) AS a(actor)
+    CROSS JOIN LATERAL (
+        SELECT b.id FROM __SCHEMA__.outbox b
+        WHERE b.family = %(family)s AND b.actor = a.actor AND b.blocked
+          AND b.cancelled_at IS NULL AND b.done_at IS NULL
+        ORDER BY b.id
+        LIMIT 1
+    ) n
+    WHERE NOT EXISTS (
+        SELECT 1 FROM __SCHEMA__.outbox h
+        WHERE h.family = %(family)s AND h.actor = a.actor AND NOT h.blocked
+          AND h.cancelled_at IS NULL AND h.done_at IS NULL
+          AND (h.parked_at IS NULL OR %(parked_blocks)s)
+    )
 ) n
 WHERE o.id = n.id
 RETURNING o.id;
 
--- name: requeue_behind_head
--- A parked row of an ordered family retried while its actor has another head gets back in
--- line (blocked) instead of running beside that head.
-UPDATE __SCHEMA__.outbox o SET blocked = true, ready_at = now(), due_at = 'infinity'
-WHERE o.id = ANY(%(ids)s::bigint[]) AND o.actor IS NOT NULL
-  AND EXISTS (
+-- name: headless_actors
+-- Safety sweep: actors of an ordered family with blocked rows and no head (a crash between a
+-- head's change and its successor's promotion).
+SELECT DISTINCT b.actor FROM __SCHEMA__.outbox b
+WHERE b.family = %(family)s AND b.blocked AND b.actor IS NOT NULL
+  AND b.cancelled_at IS NULL AND b.done_at IS NULL
+  AND NOT EXISTS (
       SELECT 1 FROM __SCHEMA__.outbox h
-      WHERE h.family = o.family AND h.actor = o.actor AND h.id <> o.id AND NOT h.blocked
-        AND h.cancelled_at IS NULL AND h.done_at IS NULL AND h.parked_at IS NULL
+      WHERE h.family = b.family AND h.actor = b.actor AND NOT h.blocked
+        AND h.cancelled_at IS NULL AND h.done_at IS NULL
+        AND (h.parked_at IS NULL OR %(parked_blocks)s)
   )
-RETURNING o.id;
+LIMIT 1000;
+
+-- name: block_rows
+-- Retried parked rows of an ordered family get back in line; promote_blocked then gives the
+-- actor its lowest row as head if it has none.
+UPDATE __SCHEMA__.outbox SET blocked = true, ready_at = now(), due_at = 'infinity'
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id;
 
 -- name: capped_candidates
 -- Due rows of a capped family from the outbox_due index range, locked as they are read (SKIP
@@ -315,8 +347,8 @@ judged AS (
     SELECT o.id, p.token,
            o.started_at IS NOT NULL AS lost,
            o.started_at IS NOT NULL AND (
-               %(park_lost)s OR (%(max_attempts)s::int IS NOT NULL
-                                 AND o.attempts >= %(max_attempts)s::int)
+               %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
+               OR (%(max_attempts)s::int IS NOT NULL AND o.attempts >= %(max_attempts)s::int)
            ) AS exhausted
     FROM __SCHEMA__.outbox o JOIN picked p USING (id)
 )
@@ -325,6 +357,7 @@ UPDATE __SCHEMA__.outbox o SET
         WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
         ELSE o.attempts + 1 END,
     maybe_applied = o.maybe_applied OR j.lost,
+    lost_attempts = o.lost_attempts + j.lost::int,
     last_error = CASE WHEN j.lost
         THEN 'attempt ' || o.attempts || ' ended without an outcome (worker died or lease ran out)'
         ELSE o.last_error END,
@@ -333,7 +366,8 @@ UPDATE __SCHEMA__.outbox o SET
     started_at = NULL,
     waiting = false,
     parked_at = CASE WHEN j.exhausted THEN now() END,
-    due_at = CASE WHEN j.exhausted THEN o.due_at ELSE now() + make_interval(secs => %(lease)s) END
+    due_at = CASE WHEN j.exhausted THEN o.due_at
+                  ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
 FROM judged j
 WHERE o.id = j.id
 RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.last_error;
@@ -372,11 +406,15 @@ RETURNING id;
 
 -- name: live_leases
 -- Rows holding a live lease in capped families: what the cap semaphores must contain.
+-- A started row past its lease may be a transactional handler still running under its row
+-- lock: it keeps its slot for one more lease (a dead worker's row is claimed again anyway).
 SELECT family, actor, claim_token,
-       greatest(0, (extract(epoch FROM due_at - now()) * 1000)::bigint) AS remaining_ms
+       CASE WHEN due_at > now()
+            THEN (extract(epoch FROM due_at - now()) * 1000)::bigint
+            ELSE (%(lease_ms)s)::bigint END AS remaining_ms
 FROM __SCHEMA__.outbox
-WHERE family = ANY(%(families)s::text[]) AND actor IS NOT NULL
-  AND claim_token IS NOT NULL AND due_at > now();
+WHERE family = ANY(%(families)s::text[]) AND actor IS NOT NULL AND claim_token IS NOT NULL
+  AND (due_at > now() OR started_at IS NOT NULL);
 
 -- name: lock_caps_shared
 -- Capped claims hold this shared; a rebuild of the semaphores takes it exclusively, so it
@@ -408,6 +446,7 @@ UPDATE __SCHEMA__.outbox o SET started_at = now(),
     due_at = now() + make_interval(secs => %(lease)s)
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
 WHERE o.id = p.id AND o.claim_token = p.token AND o.started_at IS NULL AND o.due_at > now()
+  AND NOT o.waiting
 RETURNING o.id, o.claim_token, o.family, o.command, o.actor, o.payload, o.attempts,
     o.maybe_applied, o.dedupe_key,
     EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id);

@@ -230,3 +230,109 @@ def test_parked_head_lets_later_rows_pass_when_the_family_says_so(
     capped.drain(timeout=5)
     assert [p["n"] for a, p in record.seen if a == "S"] == [0, 1, 2]  # type: ignore[attr-defined]
     assert count_rows(database_url, capped.schema, f"id = {ids[0]} AND parked_at IS NOT NULL") == 1
+
+
+def test_family_with_one_capped_command_still_delivers_its_uncapped_ones(
+    capped: Dispatcher, database_url: str
+) -> None:
+    app = Celery("mixed", broker="memory://", set_as_current=False)
+    d = Dispatcher(
+        app,
+        database_url=database_url,
+        redis_url=capped.redis_url,
+        schema=capped.schema,
+        key_prefix=capped.caps.prefix if capped.caps else "x",
+    )
+    d.family("mixed", lease=30)
+    ran: list[str] = []
+    d.handler("mixed.capped", family="mixed", per_actor=1)(lambda ctx, p: ran.append("capped"))
+    d.handler("mixed.free", family="mixed")(lambda ctx, p: ran.append("free"))
+    _enqueue(
+        d,
+        database_url,
+        [
+            Message("mixed.capped", {}, actor="M"),
+            Message("mixed.free", {}, actor="M"),
+            Message("mixed.free", {}, actor="M"),
+        ],
+    )
+    report = d.drain(timeout=10)
+    assert report.delivered == 3
+    assert sorted(ran) == ["capped", "free", "free"]
+    d.close()
+
+
+def test_retrying_two_parked_rows_of_a_passing_line_keeps_it_moving(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    broken = {"on": True}
+
+    def fail(ctx: Context, payload: Any) -> None:
+        if broken["on"] and payload["n"] < 2:
+            raise RuntimeError("fails while broken")
+
+    cmd = record("passing", fail)  # max_attempts=1, parked_blocks=False
+    ids = _enqueue(capped, database_url, [Message(cmd, {"n": n}, actor="T") for n in range(3)])
+    capped.drain(timeout=5)
+    assert (
+        count_rows(database_url, capped.schema, f"id = ANY(ARRAY{ids}) AND parked_at IS NOT NULL")
+        == 2
+    )
+    broken["on"] = False
+    assert capped.parked_retry(ids=ids[:2]) == ids[:2]
+    capped.drain(timeout=5)
+    assert count_rows(database_url, capped.schema, f"id = ANY(ARRAY{ids})") == 0
+    assert [p["n"] for a, p in record.seen if a == "T"][-2:] == [0, 1]  # type: ignore[attr-defined]
+
+
+def test_a_running_handler_whose_slot_lapsed_is_told_to_stop(
+    capped: Dispatcher, record: Callable[..., str], database_url: str, caps_url: str
+) -> None:
+    from outbox_dispatch.heartbeat import Running
+
+    cmd = record("capped")
+    _enqueue(capped, database_url, [Message(cmd, {}, actor="H")])
+    claimed = capped.claimer.claim_family(capped.families["capped"]).claimed[0]
+    started = capped.store.begin(claimed.id, claimed.token, 30)
+    assert started is not None
+    ctx, running = capped.delivery._context(started, capped.families["capped"], False)
+    assert capped.caps is not None
+    redis.Redis.from_url(caps_url).delete(capped.caps.key("capped", "H"))  # the slot expired
+    capped.delivery.heartbeats._renew([running])
+    assert ctx.is_cancelled
+    assert isinstance(running, Running)
+
+
+def test_a_waiting_rows_old_message_cannot_start_it(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    """A claim whose message was lost keeps its token; when a later claim sets the row
+    waiting (its actor at cap), that old message must not start it."""
+    cmd = record("capped", per_actor=1)
+    _enqueue(capped, database_url, [Message(cmd, {}, actor="W")])
+    old = capped.claimer.claim_family(capped.families["capped"]).claimed[0]
+    with psycopg.connect(database_url, autocommit=True) as conn:  # what mark_waiting does
+        conn.execute(
+            f'UPDATE "{capped.schema}".outbox SET waiting = true,'
+            " due_at = now() + interval '30 s' WHERE id = %s",
+            (old.id,),
+        )
+    assert capped.delivery.deliver(old.id, old.token).outcome is Outcome.STALE
+
+
+def test_redis_restarted_from_an_old_snapshot_is_rebuilt(
+    capped: Dispatcher, record: Callable[..., str], database_url: str, caps_url: str
+) -> None:
+    cmd = record("capped")
+    _enqueue(capped, database_url, [Message(cmd, {}, actor="G") for _ in range(3)])
+    fam = capped.families["capped"]
+    first = capped.claimer.claim_family(fam)
+    assert len(first.claimed) == 2
+    assert capped.caps is not None
+    client = redis.Redis.from_url(caps_url)
+    client.delete(capped.caps.key("capped", "G"))  # holders newer than the snapshot are gone
+    client.set(capped.caps.sentinel, "run-id-of-an-older-redis")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'UPDATE "{capped.schema}".outbox SET due_at = now() WHERE waiting')
+    assert capped.claimer.claim_family(fam).claimed == []  # rebuilt first: still at cap
+    assert len(capped.caps.holders("capped", "G")) == 2

@@ -127,6 +127,7 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
         "lease": 30.0,
         "max_attempts": None,
         "park_lost": False,
+        "max_lost": 5,
     }
     try:
         with store.connection() as conn, conn.transaction():

@@ -358,3 +358,25 @@ def test_cron_writes_one_row_per_tick_from_two_schedulers(
     assert life.run_cron(now=t0 + timedelta(seconds=10)) == {}
     assert life.run_cron(now=t0 + timedelta(seconds=16)) == {name: 3, latest: 1}
     other.close()
+
+
+def test_a_handler_that_kills_its_worker_every_time_is_parked_even_in_intent(
+    life: Dispatcher, database_url: str
+) -> None:
+    cmd = _name()
+    life.handler(cmd, family="intent")(lambda ctx, p: None)  # intent retries forever
+    row_id = _one(life, database_url, cmd)
+    fam = life.families["intent"]
+    for _ in range(fam.max_lost + 1):  # max_lost attempts start and die; the next claim parks
+        result = life.claimer.claim_family(fam)
+        if result.parked:
+            break
+        claimed = next(c for c in result.claimed if c.id == row_id)
+        assert life.store.begin(row_id, claimed.token, 30) is not None  # ...and dies
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                f'UPDATE "{life.schema}".outbox SET due_at = now() WHERE id = %s', (row_id,)
+            )
+    row = _row(database_url, life.schema, row_id)
+    assert row["parked_at"] is not None
+    assert row["lost_attempts"] == fam.max_lost

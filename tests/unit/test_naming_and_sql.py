@@ -90,3 +90,16 @@ def test_table_and_dsn_masking() -> None:
     assert "-" in text.splitlines()[2]
     assert mask_dsn("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
     assert mask_dsn("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+def test_users_own_celery_config_wins_over_our_defaults() -> None:
+    app = Celery("unit_defaults", set_as_current=False)
+    Dispatcher(app, database_url="postgresql://nobody@127.0.0.1:1/none")
+
+    class Config:
+        worker_prefetch_multiplier = 3
+        accept_content = ["json", "pickle"]
+
+    app.config_from_object(Config)
+    assert app.conf.worker_prefetch_multiplier == 3  # a default: the user's value stands
+    assert app.conf.accept_content == ["json"]  # enforced: nothing is unpickled

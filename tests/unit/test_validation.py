@@ -77,3 +77,19 @@ def test_prepare_keeps_what_it_checked() -> None:
         payload_limit=100,
     )
     assert (row.payload_json, row.actor, row.dedupe_key) == ('{"a":1}', "user:1", "k")
+
+
+def test_lone_surrogates_are_refused_clearly() -> None:
+    with pytest.raises(InvalidPayload, match="not valid Unicode"):
+        encode_payload({"name": "\ud800"}, 1000)
+    with pytest.raises(InvalidArgument, match="not valid Unicode"):
+        prepare(
+            family="f",
+            command="c",
+            payload={},
+            actor="\udfff",
+            dedupe_key=None,
+            delay=None,
+            at=None,
+            payload_limit=100,
+        )
