@@ -24,6 +24,7 @@ from .naming import family_name, identifier
 from .policy import Backoff, Family, LostAttempt, builtin_families
 from .store import Claimed, Conn, FamilyStatus, Store
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
+from .wake import WakeListener, install_bootstep
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Dispatcher:
         key_prefix: str = "outbox",
         prune_interval: float = 60.0,
         prune_batch: int = 1000,
+        listen: bool = True,
     ) -> None:
         if not database_url:
             raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
@@ -121,6 +123,14 @@ class Dispatcher:
         self.schedules: dict[str, Schedule] = {}
         self._cron_task = wiring.register_periodic(app, wiring.CRON_TASK, self.run_cron)
         wiring.on_configured(app, self._apply_queues)
+        if listen:
+            install_bootstep(app, self.wake_listener)
+
+    def wake_listener(self) -> WakeListener:
+        """The NOTIFY listener a worker runs (see wake.py); also usable on its own."""
+        return WakeListener(
+            self.database_url, self.schema, self.store.channel, self.claim_and_publish
+        )
 
     # -- declaration ----------------------------------------------------------------------
 

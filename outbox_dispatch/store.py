@@ -111,6 +111,7 @@ class Store:
         self.database_url = database_url
         self.schema = schema
         self.q = queries_for(schema)
+        self.channel = wake_channel(schema)
         self._pool_size = pool_size
         self._pool: ConnectionPool | None = None
         self._pid = 0
@@ -148,7 +149,7 @@ class Store:
     # -- enqueue (on the caller's connection) -----------------------------------------------
 
     def insert(self, conn: Conn, row: PreparedRow) -> int:
-        params = _insert_params(row)
+        params = _insert_params(row, self.channel)
         with translated("enqueue"):
             found = conn.execute(self.q["insert"], params).fetchone()
             if found is not None:
@@ -161,7 +162,7 @@ class Store:
     def insert_ordered(self, conn: Conn, row: PreparedRow, *, parked_blocks: bool) -> int:
         """Enqueue into an ordered family: the actor lock is held until the caller commits, so
         concurrent producers of one actor get ids in commit order."""
-        params = {**_insert_params(row), "parked_blocks": parked_blocks}
+        params = {**_insert_params(row, self.channel), "parked_blocks": parked_blocks}
         with translated("enqueue"), conn.transaction():
             conn.execute(
                 self.q["lock_actor"],
@@ -182,7 +183,10 @@ class Store:
         two producers never deadlock on each other's actors."""
         if not rows:
             return []
-        params = [{**_insert_params(r), "parked_blocks": ordered.get(r.family, True)} for r in rows]
+        params = [
+            {**_insert_params(r, self.channel), "parked_blocks": ordered.get(r.family, True)}
+            for r in rows
+        ]
         in_line = [i for i, r in enumerate(rows) if r.family in ordered and r.actor is not None]
         plain = [i for i in range(len(rows)) if i not in set(in_line)]
         ids: list[int | None] = [None] * len(rows)
@@ -670,8 +674,15 @@ class Store:
             return len(conn.execute(self.q["prune_cancel_requests"]).fetchall())
 
 
-def _insert_params(row: PreparedRow) -> dict[str, Any]:
+def wake_channel(schema: str) -> str:
+    """The NOTIFY channel of a schema (LISTEN quotes it, so its case is kept)."""
+    return f"outbox_{schema}"[:63]  # Postgres channel names are identifiers: 63 bytes
+
+
+def _insert_params(row: PreparedRow, channel: str) -> dict[str, Any]:
     return {
+        "channel": channel,
+        "wake": row.delay_seconds == 0 and row.at is None,
         "family": row.family,
         "command": row.command,
         "actor": row.actor,

@@ -2,11 +2,17 @@
 -- Times come from the database clock (now()), never from a client.
 
 -- name: insert
-INSERT INTO __SCHEMA__.outbox (family, command, actor, payload, dedupe_key, due_at)
-VALUES (%(family)s, %(command)s, %(actor)s, %(payload)s::jsonb, %(dedupe_key)s,
-        coalesce(%(at)s::timestamptz, now()) + make_interval(secs => %(delay)s))
-ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
-RETURNING id;
+-- A row due now also sends a NOTIFY, which Postgres delivers at commit (never for a rolled-back
+-- transaction, once per family per transaction): the worker's listener claims at once.
+WITH ins AS (
+    INSERT INTO __SCHEMA__.outbox (family, command, actor, payload, dedupe_key, due_at)
+    VALUES (%(family)s, %(command)s, %(actor)s, %(payload)s::jsonb, %(dedupe_key)s,
+            coalesce(%(at)s::timestamptz, now()) + make_interval(secs => %(delay)s))
+    ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
+    RETURNING id
+)
+SELECT ins.id FROM ins
+LEFT JOIN LATERAL (SELECT pg_notify(%(channel)s, %(family)s) WHERE %(wake)s) w ON true;
 
 -- name: find_dedupe
 SELECT id FROM __SCHEMA__.outbox WHERE dedupe_key = %(dedupe_key)s;
@@ -263,14 +269,18 @@ WITH head AS (
     ) AS taken
 ), due AS (
     SELECT coalesce(%(at)s::timestamptz, now()) + make_interval(secs => %(delay)s) AS at
+),
+ins AS (
+    INSERT INTO __SCHEMA__.outbox
+        (family, command, actor, payload, dedupe_key, due_at, ready_at, blocked)
+    SELECT %(family)s, %(command)s, %(actor)s, %(payload)s::jsonb, %(dedupe_key)s,
+           CASE WHEN head.taken THEN 'infinity'::timestamptz ELSE due.at END, due.at, head.taken
+    FROM head, due
+    ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
+    RETURNING id
 )
-INSERT INTO __SCHEMA__.outbox
-    (family, command, actor, payload, dedupe_key, due_at, ready_at, blocked)
-SELECT %(family)s, %(command)s, %(actor)s, %(payload)s::jsonb, %(dedupe_key)s,
-       CASE WHEN head.taken THEN 'infinity'::timestamptz ELSE due.at END, due.at, head.taken
-FROM head, due
-ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
-RETURNING id;
+SELECT ins.id FROM ins
+LEFT JOIN LATERAL (SELECT pg_notify(%(channel)s, %(family)s) WHERE %(wake)s) w ON true;
 
 -- name: promote_blocked
 -- Run under lock_actor for each actor named. Each named actor of the family that has no head

@@ -153,3 +153,39 @@ def test_cli_migrate_status_and_parked(clean_acc: dict[str, str]) -> None:
     assert missing_app.returncode == 2 and "--app module:attribute" in missing_app.stderr
     bad_app = cli(env, "--app", "tests.acceptance.nowhere:x", "status")
     assert bad_app.returncode == 2 and "cannot import" in bad_app.stderr
+
+
+def test_a_worker_without_beat_delivers_through_the_commit_wake(
+    clean_acc: dict[str, str], spawn: Callable[..., Popen[bytes]]
+) -> None:
+    """No beat runs: only the NOTIFY sent at commit can get these rows claimed."""
+    env = clean_acc
+    worker = spawn(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.acceptance.app",
+            "worker",
+            "-c",
+            "2",
+            "--loglevel",
+            "INFO",
+        ],
+        env,
+        "worker",
+    )
+    time.sleep(3)  # the worker boots and its listener starts
+    producer = _producer(env)
+    deadline = time.monotonic() + 30
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn, conn.transaction():
+        ids = [producer.enqueue(conn, "acc.email", {"n": i}) for i in range(5)]
+    producer.close()
+    while True:
+        _, per_row = _counts(env)
+        if {r for r, _ in per_row} >= set(ids):
+            break
+        assert worker.poll() is None, "worker exited"
+        assert time.monotonic() < deadline, "rows not delivered without beat"
+        time.sleep(0.1)

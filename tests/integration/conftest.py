@@ -56,7 +56,10 @@ def celery_app(redis_url: str, key_prefix: str) -> Celery:
 def dispatcher(
     celery_app: Celery, database_url: str, redis_url: str, schema: str
 ) -> Iterator[Dispatcher]:
-    d = Dispatcher(celery_app, database_url=database_url, redis_url=redis_url, schema=schema)
+    # listen=False: these tests claim by hand; the NOTIFY listener has tests of its own
+    d = Dispatcher(
+        celery_app, database_url=database_url, redis_url=redis_url, schema=schema, listen=False
+    )
     d.family("quick", max_attempts=3, lease=5, backoff=Backoff(base=0.05, cap=0.1, jitter=0.0))
     d.family("bulk", max_attempts=3, lease=10, batch=10, backoff=Backoff(0.05, 0.1, 0.0))
     yield d
