@@ -177,7 +177,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.run import run_bench
 
-    return run_bench(rows=args.rows, concurrency=args.concurrency, out=args.out)
+    return run_bench(rows=args.rows, concurrency=args.concurrency, out=args.out, pool=args.pool)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="outbox throughput against plain Celery delay()")
     p.add_argument("--rows", type=int, default=5000)
     p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--pool", default="prefork", choices=["prefork", "threads"])
     p.add_argument("--out", default="bench-results")
     p.set_defaults(fn=cmd_bench)
     return parser

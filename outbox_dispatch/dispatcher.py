@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -322,7 +323,7 @@ class Dispatcher:
     def publish(self, family: Family, rows: Sequence[Claimed]) -> None:
         """One message per row, or per ``family.batch`` rows; all on one producer connection."""
         queue = self.queue_name(family.name)
-        with self.app.producer_or_acquire() as producer:
+        with self.app.producer_or_acquire() as producer, _batched(producer):
             if family.batch == 1:
                 for row in rows:
                     self._deliver_task.apply_async(
@@ -591,6 +592,18 @@ def _check_conn(conn: object) -> Conn:
             f"{type(conn).__name__}: the row must commit with your business change"
         )
     return conn
+
+
+@contextlib.contextmanager
+def _batched(producer: Any) -> Iterator[None]:
+    """Publish through one pipeline per claim (kombu >= 5.7's Producer.batch): the messages
+    leave together when the block ends, after the claim committed."""
+    batch = getattr(producer, "batch", None)
+    if batch is None:
+        yield
+        return
+    with batch(max_size=1000):
+        yield
 
 
 def _groups(claimed: list[tuple[Family, Claimed]]) -> list[tuple[Family, list[Claimed]]]:

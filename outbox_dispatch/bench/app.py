@@ -4,6 +4,7 @@ in Redis, so both sides do the same work per delivery."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
@@ -28,14 +29,32 @@ _counter_pid = 0
 
 
 def bump() -> None:
+    bump_client().incr(COUNTER)
+
+
+LATENCIES = "outbox-bench:latency"
+
+
+def note_latency(sent: float) -> None:
+    """Seconds from the producer's commit (or publish) to this handler's start."""
+    bump_client().rpush(LATENCIES, time.time() - sent)
+
+
+def bump_client() -> redis.Redis:
     global _counter, _counter_pid
     if _counter is None or _counter_pid != os.getpid():
         _counter, _counter_pid = redis.Redis.from_url(REDIS_URL), os.getpid()
-    _counter.incr(COUNTER)
+    return _counter
 
 
 @app.task(name="bench.noop", ignore_result=True)  # type: ignore[untyped-decorator]
 def noop(n: int) -> None:
+    bump()
+
+
+@app.task(name="bench.latency", ignore_result=True)  # type: ignore[untyped-decorator]
+def plain_latency(sent: float) -> None:
+    note_latency(sent)
     bump()
 
 
@@ -52,3 +71,9 @@ dispatcher.handler("bench.noop", family="intent")(outbox_noop)
 dispatcher.handler("bench.uncapped", family="uncapped")(outbox_noop)
 dispatcher.handler("bench.capped", family="capped")(outbox_noop)
 dispatcher.handler("bench.batched", family="batched")(outbox_noop)
+
+
+@dispatcher.handler("bench.latency", family="intent")
+def outbox_latency(ctx: Context, payload: Any) -> None:
+    note_latency(payload["sent"])
+    bump()

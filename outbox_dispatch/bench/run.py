@@ -101,7 +101,62 @@ def _scenario(
         _stop(procs)
 
 
-def run_bench(rows: int = 5000, concurrency: int = 2, out: str = "bench-results") -> int:
+PACE = 200  # rows per second offered in the latency scenario
+PACE_SECONDS = 10
+
+
+@dataclass
+class Latency:
+    scenario: str
+    rows: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+
+
+def _paced(send: Callable[[float], None]) -> int:
+    """Send PACE rows per second for PACE_SECONDS, each stamped with its send time."""
+    n = PACE * PACE_SECONDS
+    t0 = time.monotonic()
+    for i in range(n):
+        delay = t0 + i / PACE - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        send(time.time())
+    return n
+
+
+def _latency(
+    name: str,
+    procs_args: list[list[str]],
+    produce: Callable[[], int],
+    r: redis.Redis,
+    logdir: Path,
+) -> Latency:
+    from outbox_dispatch.bench import app as bench
+
+    slug = "".join(ch if ch.isalnum() else "-" for ch in name)
+    procs = [_spawn(a, logdir / f"latency-{slug}-{i}.log") for i, a in enumerate(procs_args)]
+    try:
+        time.sleep(4)  # boot: the worker and its listener are up before the clock starts
+        r.delete(bench.LATENCIES)
+        r.set(bench.COUNTER, 0)
+        print(f"  {name}: offering {PACE} rows/s for {PACE_SECONDS} s", flush=True)
+        n = produce()
+        _wait_count(r, bench.COUNTER, n, name, 120)
+        values = sorted(float(v) * 1000 for v in r.lrange(bench.LATENCIES, 0, -1))
+
+        def pick(q: float) -> float:
+            return round(values[min(len(values) - 1, int(q * len(values)))], 1)
+
+        return Latency(name, len(values), pick(0.50), pick(0.99), round(values[-1], 1))
+    finally:
+        _stop(procs)
+
+
+def run_bench(
+    rows: int = 5000, concurrency: int = 2, out: str = "bench-results", pool: str = "prefork"
+) -> int:
     from outbox_dispatch.bench import app as bench
 
     r = redis.Redis.from_url(bench.REDIS_URL)
@@ -110,9 +165,9 @@ def run_bench(rows: int = 5000, concurrency: int = 2, out: str = "bench-results"
         conn.execute(f'DROP SCHEMA IF EXISTS "{bench.SCHEMA}" CASCADE')
     bench.dispatcher.migrate()
     logdir = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-    worker = ["worker", "-P", "prefork", "-c", str(concurrency), "--loglevel", "WARNING"]
+    worker = ["worker", "-P", pool, "-c", str(concurrency), "--loglevel", "WARNING"]
     print(
-        f"bench: {rows} no-op deliveries per scenario, worker prefork -c {concurrency}; "
+        f"bench: {rows} no-op deliveries per scenario, worker -P {pool} -c {concurrency}; "
         f"logs in {logdir}"
     )
 
@@ -135,6 +190,19 @@ def run_bench(rows: int = 5000, concurrency: int = 2, out: str = "bench-results"
 
         return produce
 
+    def plain_paced() -> int:
+        with bench.app.producer_or_acquire() as producer:
+            return _paced(lambda sent: bench.plain_latency.apply_async((sent,), producer=producer))
+
+    def outbox_paced() -> int:
+        with psycopg.connect(bench.DATABASE_URL) as conn:
+
+            def one(sent: float) -> None:
+                with conn.transaction():  # one business transaction per row
+                    bench.dispatcher.enqueue(conn, "bench.latency", {"sent": sent})
+
+            return _paced(one)
+
     beat = ["beat", "--loglevel", "WARNING", "-s", str(logdir / "beat-schedule")]
     both = [worker, beat]
     scenarios: list[tuple[str, list[list[str]], Callable[[int], None]]] = [
@@ -147,6 +215,10 @@ def run_bench(rows: int = 5000, concurrency: int = 2, out: str = "bench-results"
     figures = [
         _scenario(name, rows, procs, produce, r, bench.COUNTER, logdir)
         for name, procs, produce in scenarios
+    ]
+    latency = [
+        _latency("celery delay()", [worker], plain_paced, r, logdir),
+        _latency("outbox (commit wake)", both, outbox_paced, r, logdir),
     ]
     bench.dispatcher.close()
     base = figures[0].per_second
@@ -162,8 +234,14 @@ def run_bench(rows: int = 5000, concurrency: int = 2, out: str = "bench-results"
     ]
     print()
     print(table(shown, ["scenario", "rows", "seconds", "rows/s", "ratio"]))
+    print()
+    print(f"commit (or publish) -> handler start at {PACE} rows/s offered for {PACE_SECONDS} s:")
+    print(table([asdict(x) for x in latency], ["scenario", "rows", "p50_ms", "p99_ms", "max_ms"]))
     Path(out).mkdir(parents=True, exist_ok=True)
-    result = {"figures": [asdict(f) | {"per_second": f.per_second} for f in figures]}
+    result = {
+        "figures": [asdict(f) | {"per_second": f.per_second} for f in figures],
+        "latency": [asdict(x) for x in latency],
+    }
     (Path(out) / "bench.json").write_text(json.dumps(result, indent=2))
     print(
         f"\nbench: outbox per-row / plain Celery = {figures[1].per_second / base:.2f}x; "
