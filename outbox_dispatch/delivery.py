@@ -125,10 +125,11 @@ class Delivery:
         rows settle one by one). If the worker dies mid-batch, every unsettled row of the
         batch counts as started: its next attempt runs with maybe_applied set."""
         started = self.store.begin_many(pairs, self._lease_for(family_hint))
+        began = {s.id for s in started}
         results = [
             Result(Outcome.STALE, row_id, "stale in batch")
             for row_id, _ in pairs
-            if row_id not in {s.id for s in started}
+            if row_id not in began
         ]
         if results:
             event(log, logging.INFO, "stale_dropped", f"{len(results)} stale rows in a batch")
