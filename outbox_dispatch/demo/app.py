@@ -26,6 +26,9 @@ app.conf.update(task_ignore_result=True, worker_hijack_root_logger=False)
 dispatcher = Dispatcher(
     app, database_url=DATABASE_URL, redis_url=REDIS_URL, schema=SCHEMA, claim_interval=0.5
 )
+# e-mails go out in batched messages of up to 20 rows: one broker message, one start and one
+# settle statement for all of them
+dispatcher.family("email", max_attempts=5, lease=30, batch=20)
 dispatcher.family("webhook", max_attempts=4, lease=30, backoff=Backoff(base=0.3, cap=2.0))
 dispatcher.family("report", max_attempts=3, lease=30, backoff=Backoff(base=0.3, cap=1.0))
 
@@ -39,7 +42,7 @@ def record(ctx: Context, ok: bool) -> None:
         )
 
 
-@dispatcher.handler("email.send", family="intent")
+@dispatcher.handler("email.send", family="email")
 def send_email(ctx: Context, payload: dict[str, Any]) -> None:
     time.sleep(0.001)  # a quick call to a mail API
     record(ctx, True)
