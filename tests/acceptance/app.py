@@ -6,24 +6,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from celery import Celery
+from outbox_dispatch import Backoff, Context
+from tests.acceptance.envapp import SCHEMA, make_app
 
-from outbox_dispatch import Backoff, Context, Dispatcher
-
-DATABASE_URL = os.environ["OUTBOX_TEST_DATABASE_URL"]
-SCHEMA = os.environ["OUTBOX_TEST_SCHEMA"]
-REDIS_URL = os.environ["OUTBOX_TEST_REDIS_URL"]
-KEY_PREFIX = os.environ["OUTBOX_TEST_KEY_PREFIX"]
-
-app = Celery("acceptance", broker=REDIS_URL)
-app.conf.update(
-    broker_transport_options={"global_keyprefix": KEY_PREFIX},
-    task_ignore_result=True,
-    worker_hijack_root_logger=False,
-)
-dispatcher = Dispatcher(
-    app, database_url=DATABASE_URL, redis_url=REDIS_URL, schema=SCHEMA, claim_interval=0.3
-)
+app, dispatcher = make_app("acceptance", claim_interval=0.3)
 dispatcher.family("custom", max_attempts=2, lease=10, backoff=Backoff(base=0.1, cap=0.2))
 
 

@@ -10,32 +10,12 @@ import os
 import time
 from typing import Any
 
-from celery import Celery
-
-from outbox_dispatch import Context, Dispatcher
+from outbox_dispatch import Context
 from tests.acceptance.caps_families import declare_families
+from tests.acceptance.envapp import SCHEMA, make_app
 
-DATABASE_URL = os.environ["OUTBOX_TEST_DATABASE_URL"]
-SCHEMA = os.environ["OUTBOX_TEST_SCHEMA"]
-REDIS_URL = os.environ["OUTBOX_TEST_REDIS_URL"]
-KEY_PREFIX = os.environ["OUTBOX_TEST_KEY_PREFIX"]
 LEASE = float(os.environ.get("OUTBOX_TEST_LEASE", "5"))
-
-app = Celery("caps_acceptance", broker=REDIS_URL)
-app.conf.update(
-    broker_transport_options={"global_keyprefix": KEY_PREFIX},
-    task_ignore_result=True,
-    worker_hijack_root_logger=False,
-)
-dispatcher = Dispatcher(
-    app,
-    database_url=DATABASE_URL,
-    redis_url=REDIS_URL,
-    schema=SCHEMA,
-    key_prefix=KEY_PREFIX.rstrip(":"),
-    claim_interval=0.25,
-    pool_size=10,
-)
+app, dispatcher = make_app("caps_acceptance", claim_interval=0.25, pool_size=10)
 
 
 declare_families(dispatcher, LEASE)

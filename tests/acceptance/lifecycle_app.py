@@ -7,31 +7,11 @@ import os
 import time
 from typing import Any
 
-from celery import Celery
+from outbox_dispatch import Context
+from tests.acceptance.envapp import SCHEMA, make_app
 
-from outbox_dispatch import Context, Dispatcher
-
-DATABASE_URL = os.environ["OUTBOX_TEST_DATABASE_URL"]
-SCHEMA = os.environ["OUTBOX_TEST_SCHEMA"]
-REDIS_URL = os.environ["OUTBOX_TEST_REDIS_URL"]
-KEY_PREFIX = os.environ["OUTBOX_TEST_KEY_PREFIX"]
 LEASE = float(os.environ.get("OUTBOX_TEST_LEASE", "3"))
-
-app = Celery("lifecycle_acceptance", broker=REDIS_URL)
-app.conf.update(
-    broker_transport_options={"global_keyprefix": KEY_PREFIX},
-    task_ignore_result=True,
-    worker_hijack_root_logger=False,
-)
-dispatcher = Dispatcher(
-    app,
-    database_url=DATABASE_URL,
-    redis_url=REDIS_URL,
-    schema=SCHEMA,
-    key_prefix=KEY_PREFIX.rstrip(":"),
-    claim_interval=0.25,
-    pool_size=6,
-)
+app, dispatcher = make_app("lifecycle_acceptance", claim_interval=0.25, pool_size=6)
 dispatcher.family("slow", lease=LEASE, max_attempts=5)
 dispatcher.family("txn", lease=LEASE, max_attempts=50)
 dispatcher.family("load", lease=LEASE, max_in_flight=100)
