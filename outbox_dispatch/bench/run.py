@@ -21,6 +21,7 @@ from pathlib import Path
 import psycopg
 import redis
 
+from outbox_dispatch.bench.claimcost import DUE, REPEAT, claim_cost
 from outbox_dispatch.cli import table
 from outbox_dispatch.validation import Message
 
@@ -221,6 +222,8 @@ def run_bench(
         _latency("outbox (commit wake)", both, outbox_paced, r, logdir),
     ]
     bench.dispatcher.close()
+    print("claim cost:")
+    costs = claim_cost(bench.DATABASE_URL, bench.SCHEMA + "_claims")
     base = figures[0].per_second
     shown = [
         {
@@ -237,10 +240,15 @@ def run_bench(
     print()
     print(f"commit (or publish) -> handler start at {PACE} rows/s offered for {PACE_SECONDS} s:")
     print(table([asdict(x) for x in latency], ["scenario", "rows", "p50_ms", "p99_ms", "max_ms"]))
+    print()
+    print(f"claim of {DUE} due rows (median of {REPEAT}):")
+    print(table([asdict(c) for c in costs], ["stored_not_due", "median_ms"]))
+    print(f"ratio with / without: {costs[1].median_ms / costs[0].median_ms:.2f}x")
     Path(out).mkdir(parents=True, exist_ok=True)
     result = {
         "figures": [asdict(f) | {"per_second": f.per_second} for f in figures],
         "latency": [asdict(x) for x in latency],
+        "claim_cost": [asdict(c) for c in costs],
     }
     (Path(out) / "bench.json").write_text(json.dumps(result, indent=2))
     print(
