@@ -102,7 +102,7 @@ def _scenario(
         _stop(procs)
 
 
-PACE = 200  # rows per second offered in the latency scenario
+PACES = (50, 200)  # rows per second offered in the latency scenarios
 PACE_SECONDS = 10
 
 
@@ -115,12 +115,12 @@ class Latency:
     max_ms: float
 
 
-def _paced(send: Callable[[float], None]) -> int:
-    """Send PACE rows per second for PACE_SECONDS, each stamped with its send time."""
-    n = PACE * PACE_SECONDS
+def _paced(send: Callable[[float], None], pace: int) -> int:
+    """Send ``pace`` rows per second for PACE_SECONDS, each stamped with its send time."""
+    n = pace * PACE_SECONDS
     t0 = time.monotonic()
     for i in range(n):
-        delay = t0 + i / PACE - time.monotonic()
+        delay = t0 + i / pace - time.monotonic()
         if delay > 0:
             time.sleep(delay)
         send(time.time())
@@ -130,7 +130,8 @@ def _paced(send: Callable[[float], None]) -> int:
 def _latency(
     name: str,
     procs_args: list[list[str]],
-    produce: Callable[[], int],
+    produce: Callable[[int], int],
+    pace: int,
     r: redis.Redis,
     logdir: Path,
 ) -> Latency:
@@ -142,15 +143,17 @@ def _latency(
         time.sleep(4)  # boot: the worker and its listener are up before the clock starts
         r.delete(bench.LATENCIES)
         r.set(bench.COUNTER, 0)
-        print(f"  {name}: offering {PACE} rows/s for {PACE_SECONDS} s", flush=True)
-        n = produce()
+        print(f"  {name}: offering {pace} rows/s for {PACE_SECONDS} s", flush=True)
+        n = produce(pace)
         _wait_count(r, bench.COUNTER, n, name, 120)
         values = sorted(float(v) * 1000 for v in r.lrange(bench.LATENCIES, 0, -1))
 
         def pick(q: float) -> float:
             return round(values[min(len(values) - 1, int(q * len(values)))], 1)
 
-        return Latency(name, len(values), pick(0.50), pick(0.99), round(values[-1], 1))
+        return Latency(
+            f"{name} @ {pace}/s", len(values), pick(0.50), pick(0.99), round(values[-1], 1)
+        )
     finally:
         _stop(procs)
 
@@ -191,18 +194,20 @@ def run_bench(
 
         return produce
 
-    def plain_paced() -> int:
+    def plain_paced(pace: int) -> int:
         with bench.app.producer_or_acquire() as producer:
-            return _paced(lambda sent: bench.plain_latency.apply_async((sent,), producer=producer))
+            return _paced(
+                lambda sent: bench.plain_latency.apply_async((sent,), producer=producer), pace
+            )
 
-    def outbox_paced() -> int:
+    def outbox_paced(pace: int) -> int:
         with psycopg.connect(bench.DATABASE_URL) as conn:
 
             def one(sent: float) -> None:
                 with conn.transaction():  # one business transaction per row
                     bench.dispatcher.enqueue(conn, "bench.latency", {"sent": sent})
 
-            return _paced(one)
+            return _paced(one, pace)
 
     beat = ["beat", "--loglevel", "WARNING", "-s", str(logdir / "beat-schedule")]
     both = [worker, beat]
@@ -218,8 +223,12 @@ def run_bench(
         for name, procs, produce in scenarios
     ]
     latency = [
-        _latency("celery delay()", [worker], plain_paced, r, logdir),
-        _latency("outbox (commit wake)", both, outbox_paced, r, logdir),
+        _latency(name, procs, produce, pace, r, logdir)
+        for pace in PACES
+        for name, procs, produce in (
+            ("celery delay()", [worker], plain_paced),
+            ("outbox (commit wake)", both, outbox_paced),
+        )
     ]
     bench.dispatcher.close()
     print("claim cost:")
@@ -238,7 +247,7 @@ def run_bench(
     print()
     print(table(shown, ["scenario", "rows", "seconds", "rows/s", "ratio"]))
     print()
-    print(f"commit (or publish) -> handler start at {PACE} rows/s offered for {PACE_SECONDS} s:")
+    print(f"commit (or publish) -> handler start, each rate offered for {PACE_SECONDS} s:")
     print(table([asdict(x) for x in latency], ["scenario", "rows", "p50_ms", "p99_ms", "max_ms"]))
     print()
     print(f"claim of {DUE} due rows (median of {REPEAT}):")
