@@ -213,18 +213,23 @@ WHERE o.id = %(id)s AND o.claim_token = %(token)s
 RETURNING o.id;
 
 -- name: status
+-- A started row past its lease counts as in flight, like the claimer counts it: it may be a
+-- transactional handler holding its row locked (a dead worker's row is claimed again soon).
 SELECT family,
-    count(*) FILTER (WHERE live AND due_at <= now()) AS due,
+    count(*) FILTER (WHERE live AND due_at <= now() AND NOT running) AS due,
     count(*) FILTER (WHERE live AND due_at > now() AND claim_token IS NULL) AS scheduled,
-    count(*) FILTER (WHERE live AND due_at > now() AND claim_token IS NOT NULL) AS in_flight,
+    count(*) FILTER (WHERE live AND claim_token IS NOT NULL
+                     AND (due_at > now() OR running)) AS in_flight,
     count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,
     count(*) FILTER (WHERE cancelled_at IS NOT NULL) AS cancelled,
     count(*) FILTER (WHERE done_at IS NOT NULL) AS done,
-    coalesce(extract(epoch FROM now() - min(due_at) FILTER (WHERE live AND due_at <= now())), 0)
+    coalesce(extract(epoch FROM now() - min(due_at)
+                     FILTER (WHERE live AND due_at <= now() AND NOT running)), 0)
         AS oldest_due_age,
     count(*) FILTER (WHERE live AND maybe_applied) AS maybe_applied
 FROM (
     SELECT family, due_at, claim_token, parked_at, cancelled_at, done_at, maybe_applied,
+           claim_token IS NOT NULL AND started_at IS NOT NULL AS running,
            parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL AS live
     FROM __SCHEMA__.outbox
 ) s
