@@ -1,0 +1,97 @@
+"""A pytest plugin for projects that use outbox_dispatch: deliver what a test enqueued without
+running a Celery worker.
+
+Point it at your dispatcher with ``--outbox-app proj.tasks:dispatcher``, the ini option
+``outbox_app``, or ``OUTBOX_DISPATCH_APP`` (or override the ``outbox_dispatcher`` fixture).
+
+- ``outbox_drain()``: claim and deliver, in the test's process, everything due now (and what
+  those deliveries enqueue), then return the DrainReport.
+- ``outbox_inline``: deliver each committed row right after its commit, in a background thread
+  of the test process (the same NOTIFY wake a worker uses); ``outbox_inline.wait()`` returns
+  once nothing is due.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from .appload import load_dispatcher
+from .dispatcher import Dispatcher, DrainReport
+from .wake import WakeListener
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("outbox_dispatch")
+    group.addoption("--outbox-app", help="module:attribute of the Dispatcher under test")
+    parser.addini("outbox_app", "module:attribute of the Dispatcher under test", default="")
+
+
+@pytest.fixture
+def outbox_dispatcher(request: pytest.FixtureRequest) -> Dispatcher:
+    spec = request.config.getoption("--outbox-app") or request.config.getini("outbox_app")
+    dispatcher, _ = load_dispatcher(spec or None)
+    return dispatcher
+
+
+@pytest.fixture
+def outbox_drain(outbox_dispatcher: Dispatcher) -> Callable[..., DrainReport]:
+    def drain(timeout: float = 10.0) -> DrainReport:
+        return outbox_dispatcher.drain(timeout=timeout)
+
+    return drain
+
+
+class Inline:
+    """Deliveries run right after each commit, in a thread of the test process."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.reports: list[DrainReport] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self.listener = WakeListener(
+            dispatcher.database_url,
+            dispatcher.schema,
+            dispatcher.store.channel,
+            self._deliver,
+            standby_retry=0.1,
+        )
+
+    def _deliver(self, families: list[str]) -> Any:
+        with self._lock:
+            try:
+                self.reports.append(self.dispatcher.drain(timeout=30))
+            except BaseException as exc:  # surfaced by wait()
+                self.errors.append(exc)
+
+    def wait(self, timeout: float = 10.0) -> DrainReport:
+        """Return once nothing is due (delivering what still is); raise what a delivery raised."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self.errors:
+                    raise self.errors.pop(0)
+                report = self.dispatcher.drain(timeout=max(0.1, deadline - time.monotonic()))
+            if report.rounds == 0:
+                return report
+            if time.monotonic() > deadline:
+                return report
+
+
+@pytest.fixture
+def outbox_inline(outbox_dispatcher: Dispatcher) -> Iterator[Inline]:
+    inline = Inline(outbox_dispatcher)
+    inline.listener.start()
+    if not inline.listener.leading.wait(10):
+        inline.listener.stop()
+        pytest.fail(
+            "outbox_inline: another process listens on this schema (a running worker?): "
+            "stop it or use outbox_drain"
+        )
+    yield inline
+    inline.listener.stop()
