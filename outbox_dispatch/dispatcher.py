@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -26,6 +26,13 @@ from .policy import Backoff, Family, LostAttempt, builtin_families
 from .store import Claimed, Conn, FamilyStatus, Store
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
 from .wake import WakeListener, install_bootstep
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection as SAConnection
+    from sqlalchemy.orm import Session as SASession
+
+    # what enqueue and cancel accept: the connection (or session) of the caller's transaction
+    TxConn = Conn | SAConnection | SASession
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +293,7 @@ class Dispatcher:
 
     def enqueue(
         self,
-        conn: Conn,
+        conn: TxConn,
         command: str,
         payload: Any = None,
         *,
@@ -308,7 +315,7 @@ class Dispatcher:
             )
         return self.store.insert(_check_conn(conn), row)
 
-    def enqueue_many(self, conn: Conn, messages: Iterable[Message]) -> list[int]:
+    def enqueue_many(self, conn: TxConn, messages: Iterable[Message]) -> list[int]:
         """Write a batch in one round trip; ids come back in input order. All or nothing is
         validated before anything is written."""
         rows = []
@@ -445,7 +452,7 @@ class Dispatcher:
 
     def cancel(
         self,
-        conn: Conn,
+        conn: TxConn,
         row_id: int | None = None,
         *,
         dedupe_key: str | None = None,
@@ -584,14 +591,39 @@ class Dispatcher:
 
 
 def _check_conn(conn: object) -> Conn:
+    """The psycopg connection of the caller's transaction: given directly, or inside a
+    SQLAlchemy Session or Connection (on the psycopg 3 driver, ``postgresql+psycopg://``)."""
     import psycopg
 
-    if not isinstance(conn, psycopg.Connection):
+    if isinstance(conn, psycopg.Connection):
+        return conn
+    if type(conn).__module__.startswith("sqlalchemy"):
+        return _from_sqlalchemy(conn)
+    raise InvalidArgument(
+        f"enqueue needs the connection of your transaction (a psycopg 3 Connection, or a "
+        f"SQLAlchemy Session or Connection), got {type(conn).__name__}: the row must commit "
+        "with your business change"
+    )
+
+
+def _from_sqlalchemy(conn: Any) -> Conn:
+    import psycopg
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session
+
+    if isinstance(conn, Session):
+        conn = conn.connection()  # begins the session's transaction if it has none
+    if isinstance(conn, Connection):
+        raw = conn.connection.driver_connection
+        if isinstance(raw, psycopg.Connection):
+            return raw
         raise InvalidArgument(
-            f"enqueue needs the psycopg 3 Connection of your transaction, got "
-            f"{type(conn).__name__}: the row must commit with your business change"
+            f"SQLAlchemy uses the {conn.dialect.driver!r} driver: outbox_dispatch needs psycopg 3 "
+            "(a postgresql+psycopg:// URL)"
         )
-    return conn
+    raise InvalidArgument(
+        f"enqueue cannot use a {type(conn).__name__}: pass a Session or Connection"
+    )
 
 
 @contextlib.contextmanager
