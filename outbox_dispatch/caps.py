@@ -9,6 +9,7 @@ and therefore needs a single Redis (or a primary with replicas), not a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
@@ -171,13 +172,11 @@ class Caps:
         """A claim that took freed counts and then failed puts them back."""
         if not freed:
             return
-        try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for actor, n in freed.items():
-                    pipe.hincrby(self.freed_key(family), actor, n)
-                pipe.execute()
-        except redis.RedisError:
-            pass  # the waiting rows come due after one lease anyway
+        # if Redis fails here too, the waiting rows still come due after one lease
+        with contextlib.suppress(redis.RedisError), self.client.pipeline(False) as pipe:
+            for actor, n in freed.items():
+                pipe.hincrby(self.freed_key(family), actor, n)
+            pipe.execute()
 
     def _run_list(self, name: str, keys: list[str]) -> list[Any]:
         client = self.client

@@ -22,7 +22,7 @@ from typing import Any
 
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .logs import event
-from .policy import Candidate, Family, LostAttempt, plan_capped_claim
+from .policy import Candidate, Family, plan_capped_claim
 from .store import CappedDecision, Claimed, ClaimResult, Store
 
 log = logging.getLogger(__name__)
@@ -67,15 +67,7 @@ class Claimer:
         if self.is_capped(family):
             result = self._claim_capped(family, batch or self.batch)
         else:
-            result = self.store.claim(
-                family=family.name,
-                batch=batch or self.batch,
-                lease=family.lease,
-                max_in_flight=family.max_in_flight,
-                max_attempts=family.max_attempts,
-                park_lost=family.on_lost is LostAttempt.PARK,
-                max_lost=family.max_lost,
-            )
+            result = self.store.claim(family, batch or self.batch)
         for row_id in result.parked:
             event(
                 log,
@@ -158,17 +150,7 @@ class Claimer:
         except CapsUnavailable:
             freed = {}
         try:
-            result = self.store.claim_capped(
-                family=family.name,
-                batch=batch,
-                lease=family.lease,
-                max_in_flight=family.max_in_flight,
-                max_attempts=family.max_attempts,
-                park_lost=family.on_lost is LostAttempt.PARK,
-                decide=decide,
-                freed=freed,
-                max_lost=family.max_lost,
-            )
+            result = self.store.claim_capped(family, batch, decide, freed)
         except BaseException:
             caps.release_many(list(taken.values()))  # the claim rolled back: give slots back
             caps.give_back_freed(family.name, freed)

@@ -142,18 +142,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     dispatcher, _ = load_dispatcher(args.app)
-    total: dict[str, int] = {}
-    for fam in dispatcher.families.values():
-        n = 0
-        while True:  # batch by batch, with progress: never one long transaction
-            got = dispatcher.store.prune(fam.name, fam.retention, args.batch)
-            n += got
-            if not args.json and got:
-                print(f"prune: {fam.name}: {n} rows deleted so far", file=sys.stderr)
-            if got < args.batch:
-                break
-        if n:
-            total[fam.name] = n
+
+    def progress(family: str, deleted: int) -> None:
+        if not args.json:
+            print(f"prune: {family}: {deleted} rows deleted so far", file=sys.stderr)
+
+    total = dispatcher.prune(batch=args.batch, max_batches=1_000_000, progress=progress)
     _emit(args, total, f"pruned {sum(total.values())} settled rows {total or ''}".strip())
     return 0
 

@@ -15,7 +15,7 @@ from uuid import UUID
 
 from .caps import Caps, CapsUnavailable
 from .errors import PermanentFailure
-from .handlers import Context, HandlerFn, Registry
+from .handlers import Context, HandlerFn, Registration, Registry
 from .heartbeat import Heartbeats, Running
 from .logs import event
 from .policy import Family, Verdict, decide_failure
@@ -133,7 +133,7 @@ class Delivery:
         ]
         if results:
             event(log, logging.INFO, "stale_dropped", f"{len(results)} stale rows in a batch")
-        entries: list[tuple[Started, Running]] = []
+        entries: list[tuple[Started, Registration, Running]] = []
         for s in started:
             family = self.families.get(s.family)
             reg = self.registry.registration(s.command)
@@ -142,13 +142,11 @@ class Delivery:
                 continue
             _ctx, running = self._context(s, family, reg.transactional)
             self.heartbeats.add(running)
-            entries.append((s, running))
+            entries.append((s, reg, running))
         done: list[Started] = []
         try:
-            for s, running in entries:
+            for s, reg, running in entries:
                 family = self.families[s.family]
-                reg = self.registry.registration(s.command)
-                assert reg is not None
                 assert reg.fn is not None
                 if reg.transactional:
                     results.append(self._run_in_transaction(s, family, reg.fn, running.ctx))
@@ -163,7 +161,7 @@ class Delivery:
                     done.append(s)
             results += self._settle_successes(done)
         finally:
-            for s, _ in entries:
+            for s, _, _ in entries:
                 self.heartbeats.remove(s.id)
         return results
 

@@ -495,9 +495,16 @@ class Dispatcher:
         )
         return CancelResult(now, requested)
 
-    def prune(self, *, batch: int | None = None, max_batches: int = 100) -> dict[str, int]:
+    def prune(
+        self,
+        *,
+        batch: int | None = None,
+        max_batches: int = 100,
+        progress: Callable[[str, int], None] | None = None,
+    ) -> dict[str, int]:
         """Delete delivered and cancelled rows past their family's retention, in batches of
-        ``batch`` rows (short transactions, never one long lock)."""
+        ``batch`` rows (short transactions, never one long lock); ``progress(family, deleted so
+        far)`` is called after each batch that deleted something."""
         size = batch or self.prune_batch
         deleted: dict[str, int] = {}
         for fam in list(self.families.values()):
@@ -505,6 +512,8 @@ class Dispatcher:
             for _ in range(max_batches):
                 n = self.store.prune(fam.name, fam.retention, size)
                 total += n
+                if n and progress is not None:
+                    progress(fam.name, total)
                 if n < size:
                     break
             if total:

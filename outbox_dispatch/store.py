@@ -11,7 +11,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -23,7 +23,7 @@ from psycopg_pool import ConnectionPool
 
 from .cron import Schedule, due_ticks
 from .errors import DatabaseError, SchemaNotReady
-from .policy import Candidate
+from .policy import Candidate, Family, LostAttempt, claim_limit
 from .sqlfiles import queries_for
 from .validation import PreparedRow
 
@@ -217,93 +217,70 @@ class Store:
 
     # -- claim ----------------------------------------------------------------------------
 
-    def claim(
-        self,
-        *,
-        family: str,
-        batch: int,
-        lease: float,
-        max_in_flight: int,
-        max_attempts: int | None,
-        park_lost: bool,
-        max_lost: int = 5,
-    ) -> ClaimResult:
-        from .policy import claim_limit
-
-        with translated(f"claim of family {family}"), self.connection() as conn, conn.transaction():
-            conn.execute(self.q["lock_family"], {"lock_name": f"{self.schema}.claim.{family}"})
-            row = conn.execute(self.q["in_flight"], {"family": family}).fetchone()
-            in_flight = int(row[0]) if row else 0
-            limit = claim_limit(batch, max_in_flight, in_flight)
+    def claim(self, family: Family, batch: int) -> ClaimResult:
+        """Lease up to ``batch`` due rows of a family, within its free in-flight capacity."""
+        with (
+            translated(f"claim of family {family.name}"),
+            self.connection() as conn,
+            conn.transaction(),
+        ):
+            limit = self._claim_limit(conn, family, batch)
             if limit == 0:
-                return ClaimResult(family, [], [], 0)
-            rows = conn.execute(
-                self.q["claim"],
-                {
-                    "family": family,
-                    "limit": limit,
-                    "lease": lease,
-                    "max_attempts": max_attempts,
-                    "park_lost": park_lost,
-                    "max_lost": max_lost,
-                },
-            ).fetchall()
-        return _claim_result(family, rows, limit)
+                return ClaimResult(family.name, [], [], 0)
+            params = {**_lease_params(family), "family": family.name, "limit": limit}
+            rows = conn.execute(self.q["claim"], params).fetchall()
+        return _claim_result(family.name, rows, limit)
 
     def claim_capped(
         self,
-        *,
-        family: str,
+        family: Family,
         batch: int,
-        lease: float,
-        max_in_flight: int,
-        max_attempts: int | None,
-        park_lost: bool,
         decide: Callable[[list[Candidate], int], CappedDecision],
         freed: Mapping[str, int] | None = None,
-        max_lost: int = 5,
     ) -> ClaimResult:
         """A claim for a family with per-actor caps. ``decide`` picks rows and takes their
         cap slots while the candidates are locked; the shared caps lock is held to commit so a
-        rebuild of the semaphores sees every claim that took slots."""
-        from .policy import claim_limit
-
-        with translated(f"claim of family {family}"), self.connection() as conn, conn.transaction():
-            conn.execute(self.q["lock_family"], {"lock_name": f"{self.schema}.claim.{family}"})
+        rebuild of the semaphores sees every claim that took slots. ``freed`` first makes that
+        many waiting rows of each actor due again."""
+        with (
+            translated(f"claim of family {family.name}"),
+            self.connection() as conn,
+            conn.transaction(),
+        ):
             conn.execute(self.q["lock_caps_shared"], {"lock_name": f"{self.schema}.caps"})
             if freed:
                 conn.execute(
                     self.q["promote_freed"],
-                    {"family": family, "actors": list(freed), "counts": list(freed.values())},
+                    {"family": family.name, "actors": list(freed), "counts": list(freed.values())},
                 )
-            row = conn.execute(self.q["in_flight"], {"family": family}).fetchone()
-            limit = claim_limit(batch, max_in_flight, int(row[0]) if row else 0)
+            limit = self._claim_limit(conn, family, batch)
             if limit == 0:
-                return ClaimResult(family, [], [], 0)
+                return ClaimResult(family.name, [], [], 0)
             found = conn.execute(
-                self.q["capped_candidates"], {"family": family, "probe": max(4 * limit, 100)}
+                self.q["capped_candidates"],
+                {"family": family.name, "probe": max(4 * limit, 100)},
             ).fetchall()
             candidates = [Candidate(int(r[0]), r[1], r[2], int(r[3])) for r in found]
             take, wait = decide(candidates, limit)
             rows = []
             if take:
-                rows = conn.execute(
-                    self.q["claim_ids"],
-                    {
-                        "ids": [i for i, _ in take],
-                        "tokens": [t for _, t in take],
-                        "lease": lease,
-                        "max_attempts": max_attempts,
-                        "park_lost": park_lost,
-                        "max_lost": max_lost,
-                    },
-                ).fetchall()
+                params = {
+                    **_lease_params(family),
+                    "ids": [i for i, _ in take],
+                    "tokens": [t for _, t in take],
+                }
+                rows = conn.execute(self.q["claim_ids"], params).fetchall()
             if wait:
-                conn.execute(self.q["mark_waiting"], {"ids": wait, "lease": lease})
-        result = _claim_result(family, rows, limit)
-        return ClaimResult(
-            family, result.claimed, result.parked, limit, len(wait), result.parked_actors
-        )
+                conn.execute(self.q["mark_waiting"], {"ids": wait, "lease": family.lease})
+        result = _claim_result(family.name, rows, limit)
+        return replace(result, waiting=len(wait))
+
+    def _claim_limit(self, conn: Conn, family: Family, batch: int) -> int:
+        """Take the family's claim lock (held to commit: in-flight counts cannot race) and
+        return how many rows this claim may lease."""
+        conn.execute(self.q["lock_family"], {"lock_name": f"{self.schema}.claim.{family.name}"})
+        row = conn.execute(self.q["in_flight"], {"family": family.name}).fetchone()
+        return claim_limit(batch, family.max_in_flight, int(row[0]) if row else 0)
 
     def rebuild_caps(
         self,
@@ -695,6 +672,16 @@ def _insert_params(row: PreparedRow, channel: str) -> dict[str, Any]:
 
 def _actor_lock(schema: str, family: str, actor: str) -> str:
     return f"{schema}.actor.{family}.{actor}"
+
+
+def _lease_params(family: Family) -> dict[str, Any]:
+    """The claim statements' policy parameters: lease and when a lost attempt parks."""
+    return {
+        "lease": family.lease,
+        "max_attempts": family.max_attempts,
+        "park_lost": family.on_lost is LostAttempt.PARK,
+        "max_lost": family.max_lost,
+    }
 
 
 def _claim_result(family: str, rows: Sequence[Sequence[Any]], limit: int) -> ClaimResult:

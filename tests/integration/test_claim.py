@@ -40,14 +40,7 @@ def test_two_claimers_racing_claim_each_row_once(
         start.wait()
         try:
             while True:
-                result = store.claim(
-                    family=family.name,
-                    batch=97,
-                    lease=60,
-                    max_in_flight=family.max_in_flight,
-                    max_attempts=None,
-                    park_lost=False,
-                )
+                result = store.claim(family, 97)
                 if not result.claimed:
                     return
                 claimed[slot].extend(c.id for c in result.claimed)
