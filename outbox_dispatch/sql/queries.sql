@@ -35,8 +35,10 @@ WHERE family = %(family)s AND claim_token IS NOT NULL
 -- started (its message was lost or came too late) does not count as an attempt; one that
 -- started and never settled was lost mid-run, so the next attempt is marked maybe_applied,
 -- and a lost last attempt parks the row instead of running it again.
+-- The judgement reads the locked rows' own columns: joining picked back to the table would let
+-- the planner scan the whole table.
 WITH picked AS (
-    SELECT id FROM __SCHEMA__.outbox
+    SELECT id, started_at, attempts, lost_attempts FROM __SCHEMA__.outbox
     WHERE family = %(family)s AND due_at <= now()
       AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
     ORDER BY due_at
@@ -44,13 +46,13 @@ WITH picked AS (
     FOR UPDATE SKIP LOCKED
 ),
 judged AS (
-    SELECT o.id,
-           o.started_at IS NOT NULL AS lost,
-           o.started_at IS NOT NULL AND (
-               %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
-               OR (%(max_attempts)s::int IS NOT NULL AND o.attempts >= %(max_attempts)s::int)
+    SELECT p.id,
+           p.started_at IS NOT NULL AS lost,
+           p.started_at IS NOT NULL AND (
+               %(park_lost)s OR p.lost_attempts + 1 >= %(max_lost)s::int
+               OR (%(max_attempts)s::int IS NOT NULL AND p.attempts >= %(max_attempts)s::int)
            ) AS exhausted
-    FROM __SCHEMA__.outbox o JOIN picked USING (id)
+    FROM picked p
 )
 UPDATE __SCHEMA__.outbox o SET
     attempts = CASE
@@ -69,7 +71,7 @@ UPDATE __SCHEMA__.outbox o SET
     due_at = CASE WHEN j.exhausted THEN o.due_at
                   ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
 FROM judged j
-WHERE o.id = j.id
+WHERE o.id = j.id AND o.id = ANY(ARRAY(SELECT id FROM judged))  -- primary-key lookups
 RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.last_error;
 
 -- name: begin
@@ -366,6 +368,7 @@ judged AS (
                OR (%(max_attempts)s::int IS NOT NULL AND o.attempts >= %(max_attempts)s::int)
            ) AS exhausted
     FROM __SCHEMA__.outbox o JOIN picked p USING (id)
+    WHERE o.id = ANY(%(ids)s::bigint[])  -- a primary-key lookup, never a scan of the table
 )
 UPDATE __SCHEMA__.outbox o SET
     attempts = CASE
@@ -384,7 +387,7 @@ UPDATE __SCHEMA__.outbox o SET
     due_at = CASE WHEN j.exhausted THEN o.due_at
                   ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
 FROM judged j
-WHERE o.id = j.id
+WHERE o.id = j.id AND o.id = ANY(ARRAY(SELECT id FROM judged))  -- primary-key lookups
 RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.last_error;
 
 -- name: mark_waiting

@@ -151,3 +151,43 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
     assert "Seq Scan" not in capped_plan, capped_plan
     scan_line = next(x for x in capped_plan.splitlines() if "Index Scan using outbox_due" in x)
     assert "rows=20 " in scan_line, capped_plan
+
+
+def test_claim_plan_has_no_table_scan_at_a_mid_size_either(database_url: str, run_id: str) -> None:
+    """At tens of thousands of rows the planner once hash-joined the claimed ids against a full
+    scan of the table; the claim must stay on indexes at every size."""
+    name = f"od_midsize_{run_id}"
+    migrate(database_url, name)
+    _bulk_insert(
+        database_url,
+        name,
+        "SELECT 'intent', 'x', NULL, '{}'::jsonb, now() - interval '1 minute', NULL"
+        " FROM generate_series(1, 500)",
+    )
+    _bulk_insert(
+        database_url,
+        name,
+        "SELECT 'intent', 'x', NULL, '{}'::jsonb, now() - interval '1 day', now()"
+        " FROM generate_series(1, 30000)",
+    )
+    store = Store(database_url, name, pool_size=1)
+    params = {
+        "family": "intent",
+        "limit": 500,
+        "lease": 30.0,
+        "max_attempts": None,
+        "park_lost": False,
+        "max_lost": 5,
+    }
+    try:
+        with store.connection() as conn:
+            conn.execute(f'ANALYZE "{name}".outbox')
+            with conn.transaction():
+                rows = conn.execute("EXPLAIN (ANALYZE) " + store.q["claim"], params).fetchall()
+                plan = "\n".join(str(r[0]) for r in rows)
+                raise psycopg.Rollback()
+    finally:
+        store.close()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+    assert "Seq Scan" not in plan, plan
