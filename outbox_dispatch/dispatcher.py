@@ -606,13 +606,35 @@ def _check_conn(conn: object) -> Conn:
 
     if isinstance(conn, psycopg.Connection):
         return conn
-    if type(conn).__module__.startswith("sqlalchemy"):
+    module = type(conn).__module__
+    if module.startswith("sqlalchemy"):
         return _from_sqlalchemy(conn)
+    if module.startswith("django."):
+        return _from_django(conn)
     raise InvalidArgument(
-        f"enqueue needs the connection of your transaction (a psycopg 3 Connection, or a "
-        f"SQLAlchemy Session or Connection), got {type(conn).__name__}: the row must commit "
-        "with your business change"
+        f"enqueue needs the connection of your transaction (a psycopg 3 Connection, a "
+        f"SQLAlchemy Session or Connection, or Django's connection), got {type(conn).__name__}: "
+        "the row must commit with your business change"
     )
+
+
+def _from_django(conn: Any) -> Conn:
+    """Django's ``connection`` (or ``connections[alias]``) on the psycopg 3 backend."""
+    import psycopg
+
+    if getattr(conn, "vendor", None) != "postgresql":
+        raise InvalidArgument(
+            f"Django database {getattr(conn, 'alias', '?')!r} is {getattr(conn, 'vendor', '?')}: "
+            "the outbox lives in PostgreSQL"
+        )
+    conn.ensure_connection()
+    raw = conn.connection
+    if not isinstance(raw, psycopg.Connection):
+        raise InvalidArgument(
+            f"Django uses {type(raw).__module__} for database {conn.alias!r}: outbox_dispatch "
+            "needs psycopg 3 (pip install 'psycopg[binary]'; Django >= 4.2 picks it up)"
+        )
+    return raw
 
 
 def _from_sqlalchemy(conn: Any) -> Conn:
