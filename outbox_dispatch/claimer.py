@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .logs import event
 from .policy import Candidate, Family, plan_capped_claim
@@ -80,13 +81,15 @@ class Claimer:
             )
         if family.ordered and result.parked_actors and not family.parked_blocks:
             self.store.promote_blocked(family.name, list(result.parked_actors), False)
+        elapsed = time.perf_counter() - t0
+        metrics.claimed(family.name, len(result.claimed), elapsed)
         if result.claimed or result.waiting:
             event(
                 log,
                 logging.DEBUG,
                 "claimed",
                 f"{len(result.claimed)} rows, {result.waiting} set waiting, "
-                f"in {(time.perf_counter() - t0) * 1000:.1f} ms",
+                f"in {elapsed * 1000:.1f} ms",
                 family=family.name,
             )
         return result

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any
 from uuid import UUID
 
+from . import metrics, tracing
 from .caps import Caps, CapsUnavailable
 from .errors import PermanentFailure
 from .handlers import Context, HandlerFn, Registration, Registry
@@ -108,14 +109,18 @@ class Delivery:
     ) -> list[Result]:
         """Deliver what a broker message names: one (id, token) pair or a batch of them."""
         pair = parse_message(args)
+        pairs = parse_batch(args) if pair is None else None
         if pair is not None:
-            return [self.deliver(*pair, family_hint=family_hint)]
-        pairs = parse_batch(args)
-        if pairs is not None:
-            return self.deliver_batch(pairs, family_hint=family_hint)
-        shown = repr(args)[:200]
-        event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
-        return [Result(Outcome.STALE, None, "garbage message")]
+            results = [self.deliver(*pair, family_hint=family_hint)]
+        elif pairs is not None:
+            results = self.deliver_batch(pairs, family_hint=family_hint)
+        else:
+            shown = repr(args)[:200]
+            event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
+            results = [Result(Outcome.STALE, None, "garbage message")]
+        for r in results:
+            metrics.outcome(family_hint, r.outcome.value)
+        return results
 
     def deliver_batch(
         self, pairs: list[tuple[int, UUID]], *, family_hint: str | None = None
@@ -148,22 +153,37 @@ class Delivery:
             for s, reg, running in entries:
                 family = self.families[s.family]
                 assert reg.fn is not None
-                if reg.transactional:
-                    results.append(self._run_in_transaction(s, family, reg.fn, running.ctx))
-                    continue
-                try:
-                    reg.fn(running.ctx, s.payload)
-                except PermanentFailure as exc:
-                    results.append(self._park(s, family, describe_error(exc)))
-                except Exception as exc:
-                    results.append(self._failed(s, family, exc))
-                else:
-                    done.append(s)
+                metrics.started(s.family, s.waited)
+                t0 = time.perf_counter()
+                with tracing.delivery_span(s) as span:
+                    span.set_attribute("outbox.batch", True)
+                    result = self._run_in_batch(s, family, reg, running.ctx)
+                    if result is None:
+                        done.append(s)
+                    else:
+                        results.append(result)
+                        tracing.finish(span, result.outcome.value, result.detail)
+                metrics.handled(s.family, s.command, time.perf_counter() - t0)
             results += self._settle_successes(done)
         finally:
             for s, _, _ in entries:
                 self.heartbeats.remove(s.id)
         return results
+
+    def _run_in_batch(
+        self, s: Started, family: Family, reg: Registration, ctx: Context
+    ) -> Result | None:
+        """One row of a batch; None when its handler succeeded (settled with the others)."""
+        assert reg.fn is not None
+        if reg.transactional:
+            return self._run_in_transaction(s, family, reg.fn, ctx)
+        try:
+            reg.fn(ctx, s.payload)
+        except PermanentFailure as exc:
+            return self._park(s, family, describe_error(exc))
+        except Exception as exc:
+            return self._failed(s, family, exc)
+        return None
 
     def _settle_successes(self, done: list[Started]) -> list[Result]:
         results: list[Result] = []
@@ -237,12 +257,19 @@ class Delivery:
             return self._start_checked(started, family)
         ctx, running = self._context(started, family, reg.transactional)
         self.heartbeats.add(running)
-        try:
-            if reg.transactional:
-                return self._run_in_transaction(started, family, reg.fn, ctx)
-            return self._run(started, family, reg.fn, ctx)
-        finally:
-            self.heartbeats.remove(started.id)
+        metrics.started(started.family, started.waited)
+        t0 = time.perf_counter()
+        with tracing.delivery_span(started) as span:
+            try:
+                if reg.transactional:
+                    result = self._run_in_transaction(started, family, reg.fn, ctx)
+                else:
+                    result = self._run(started, family, reg.fn, ctx)
+            finally:
+                self.heartbeats.remove(started.id)
+                metrics.handled(started.family, started.command, time.perf_counter() - t0)
+            tracing.finish(span, result.outcome.value, result.detail)
+        return result
 
     def _run(self, started: Started, family: Family, fn: HandlerFn, ctx: Context) -> Result:
         fields = _fields(started)

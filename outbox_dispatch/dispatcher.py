@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import wiring
+from . import metrics, tracing, wiring
 from .caps import Caps
 from .claimer import Claimer, ClaimReport, batch_options, message_options
 from .cron import CatchUp, Schedule
@@ -133,6 +133,7 @@ class Dispatcher:
         wiring.on_configured(app, self._apply_queues)
         if listen:
             install_bootstep(app, self.wake_listener)
+        metrics.install_worker_server(app, self)
 
     def wake_listener(self) -> WakeListener:
         """The NOTIFY listener a worker runs (see wake.py); also usable on its own."""
@@ -260,6 +261,25 @@ class Dispatcher:
         except Exception as exc:  # the beat entry claims anyway; a wake is only a speed-up
             event(log, logging.WARNING, "wake_failed", f"could not send a claim wake: {exc!r}")
 
+    def queue_lengths(self) -> dict[str, int]:
+        """Messages waiting in each family's broker queue (Flower does not show this)."""
+        out: dict[str, int] = {}
+        with self.app.connection_for_read() as conn:
+            for name in self.families:
+                channel = conn.channel()
+                queue = self.queue_name(name)
+                try:
+                    if hasattr(channel, "_size"):  # Redis: every priority list of the queue
+                        out[name] = int(channel._size(queue))
+                    else:
+                        out[name] = int(channel.queue_declare(queue, passive=True).message_count)
+                except Exception:  # never declared: no worker has consumed it yet
+                    out[name] = 0
+                finally:
+                    with contextlib.suppress(Exception):
+                        channel.close()
+        return out
+
     def declare(self, command: str, *, family: str = "intent") -> None:
         """Let a producer enqueue ``command`` without running it (its handler lives elsewhere)."""
         if not isinstance(command, str) or not command or len(command) > 200:
@@ -280,7 +300,7 @@ class Dispatcher:
         fam = self.registry.family_of(command)
         if fam not in self.families:
             raise UnknownFamily(f"command {command!r} belongs to undeclared family {fam!r}")
-        return prepare(
+        row = prepare(
             family=fam,
             command=command,
             payload=payload,
@@ -290,6 +310,8 @@ class Dispatcher:
             at=at,
             payload_limit=self.payload_limit,
         )
+        trace_json = tracing.current_context_json()
+        return replace(row, trace_json=trace_json) if trace_json else row
 
     def enqueue(
         self,

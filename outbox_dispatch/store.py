@@ -71,6 +71,8 @@ class Started:
     maybe_applied: bool
     dedupe_key: str | None
     cancel_requested: bool = False
+    waited: float | None = None  # seconds from due (for a row due at enqueue: commit) to start
+    trace_context: dict[str, str] | None = None  # the enqueuing span's W3C context
 
 
 @dataclass(frozen=True)
@@ -330,7 +332,7 @@ class Store:
             ).fetchone()
         if row is None:
             return None
-        family, command, actor, payload, attempts, maybe_applied, dedupe_key, cancel = row
+        family, command, actor, payload, attempts, maybe_applied, dedupe_key, cancel = row[:8]
         return Started(
             row_id,
             token,
@@ -342,6 +344,8 @@ class Store:
             bool(maybe_applied),
             dedupe_key,
             bool(cancel),
+            row[8],
+            row[9],
         )
 
     def begin_many(self, pairs: Sequence[tuple[int, UUID]], lease: float) -> list[Started]:
@@ -351,7 +355,18 @@ class Store:
             rows = conn.execute(self.q["begin_many"], params).fetchall()
         started = [
             Started(
-                int(r[0]), r[1], r[2], r[3], r[4], r[5], int(r[6]), bool(r[7]), r[8], bool(r[9])
+                int(r[0]),
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                r[5],
+                int(r[6]),
+                bool(r[7]),
+                r[8],
+                bool(r[9]),
+                r[10],
+                r[11],
             )
             for r in rows
         ]
@@ -667,6 +682,7 @@ def _insert_params(row: PreparedRow, channel: str) -> dict[str, Any]:
         "dedupe_key": row.dedupe_key,
         "delay": row.delay_seconds,
         "at": row.at,
+        "trace": row.trace_json,
     }
 
 

@@ -41,6 +41,7 @@ class PreparedRow:
     dedupe_key: str | None
     delay_seconds: float
     at: datetime | None
+    trace_json: str | None = None  # the enqueuing span's context, when tracing is on
 
 
 def _reject_non_finite(value: str) -> Any:

@@ -5,9 +5,11 @@
 -- A row due now also sends a NOTIFY, which Postgres delivers at commit (never for a rolled-back
 -- transaction, once per family per transaction): the worker's listener claims at once.
 WITH ins AS (
-    INSERT INTO __SCHEMA__.outbox (family, command, actor, payload, dedupe_key, due_at)
+    INSERT INTO __SCHEMA__.outbox
+        (family, command, actor, payload, dedupe_key, due_at, trace_context)
     VALUES (%(family)s, %(command)s, %(actor)s, %(payload)s::jsonb, %(dedupe_key)s,
-            coalesce(%(at)s::timestamptz, now()) + make_interval(secs => %(delay)s))
+            coalesce(%(at)s::timestamptz, now()) + make_interval(secs => %(delay)s),
+            %(trace)s::jsonb)
     ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
     RETURNING id
 )
@@ -65,6 +67,7 @@ UPDATE __SCHEMA__.outbox o SET
         ELSE o.last_error END,
     claim_token = CASE WHEN j.exhausted THEN NULL ELSE gen_random_uuid() END,
     claimed_at = CASE WHEN j.exhausted THEN NULL ELSE now() END,
+    due_since = CASE WHEN j.exhausted THEN o.due_since ELSE o.due_at END,
     started_at = NULL,
     waiting = false,
     parked_at = CASE WHEN j.exhausted THEN now() END,
@@ -82,7 +85,8 @@ UPDATE __SCHEMA__.outbox SET started_at = now(),
 WHERE id = %(id)s AND claim_token = %(token)s AND started_at IS NULL AND due_at > now()
   AND NOT waiting
 RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
-    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id) AS cancel_requested;
+    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id) AS cancel_requested,
+    extract(epoch FROM now() - due_since)::float8 AS waited, trace_context;
 
 -- name: explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,
@@ -279,9 +283,10 @@ WITH head AS (
 ),
 ins AS (
     INSERT INTO __SCHEMA__.outbox
-        (family, command, actor, payload, dedupe_key, due_at, ready_at, blocked)
+        (family, command, actor, payload, dedupe_key, due_at, ready_at, blocked, trace_context)
     SELECT %(family)s, %(command)s, %(actor)s, %(payload)s::jsonb, %(dedupe_key)s,
-           CASE WHEN head.taken THEN 'infinity'::timestamptz ELSE due.at END, due.at, head.taken
+           CASE WHEN head.taken THEN 'infinity'::timestamptz ELSE due.at END, due.at, head.taken,
+           %(trace)s::jsonb
     FROM head, due
     ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
     RETURNING id
@@ -381,6 +386,7 @@ UPDATE __SCHEMA__.outbox o SET
         ELSE o.last_error END,
     claim_token = CASE WHEN j.exhausted THEN NULL ELSE j.token END,
     claimed_at = CASE WHEN j.exhausted THEN NULL ELSE now() END,
+    due_since = CASE WHEN j.exhausted THEN o.due_since ELSE o.due_at END,
     started_at = NULL,
     waiting = false,
     parked_at = CASE WHEN j.exhausted THEN now() END,
@@ -467,7 +473,8 @@ WHERE o.id = p.id AND o.claim_token = p.token AND o.started_at IS NULL AND o.due
   AND NOT o.waiting
 RETURNING o.id, o.claim_token, o.family, o.command, o.actor, o.payload, o.attempts,
     o.maybe_applied, o.dedupe_key,
-    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id);
+    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id),
+    extract(epoch FROM now() - o.due_since)::float8, o.trace_context;
 
 -- name: settle_delete_many
 -- The successes of a batch in one statement; rows with a cancel request are left to settle_cancel.
