@@ -154,10 +154,36 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_celery(args: argparse.Namespace) -> int:
     """Run Celery's own worker or beat on the app's module: nothing new to learn."""
+    if getattr(args, "metrics_port", None):
+        from .metrics import PORT_ENV, prepare_multiprocess_dir
+
+        # before anything imports prometheus_client, and inherited by the pool's children
+        os.environ[PORT_ENV] = str(args.metrics_port)
+        prepare_multiprocess_dir(args.metrics_dir)
     _, module = load_dispatcher(args.app)
-    argv = ["celery", "-A", module, args.command, *args.rest]
-    os.execvp("celery", argv)  # noqa: S606 (argv is a list; no shell)
+    # this interpreter's celery, so it works from a venv that is not activated
+    argv = [sys.executable, "-m", "celery", "-A", module, args.command, *args.rest]
+    os.execv(sys.executable, argv)  # noqa: S606 (argv is a list; no shell)
     return 0  # pragma: no cover
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """Serve the outbox gauges (and, sharing a worker's PROMETHEUS_MULTIPROC_DIR, its counters)
+    until interrupted."""
+    import time
+
+    from .metrics import serve
+
+    dispatcher, _ = load_dispatcher(args.app)
+    server = serve(dispatcher, args.port, args.addr)
+    print(f"serving http://{args.addr}:{args.port}/metrics (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+        server.server_close()
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -222,8 +248,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in ("worker", "beat"):
         p = sub.add_parser(name, help=f"celery {name} on the app's module; extra args pass on")
+        if name == "worker":
+            p.add_argument(
+                "--metrics-port", type=int, help="serve Prometheus /metrics from the worker"
+            )
+            p.add_argument(
+                "--metrics-dir",
+                help="prometheus multiprocess directory (emptied at start; default: a temp dir)",
+            )
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(fn=cmd_celery)
+
+    p = sub.add_parser("metrics", help="serve Prometheus /metrics: per-family gauges")
+    p.add_argument("--port", type=int, default=9808)
+    p.add_argument("--addr", default="0.0.0.0")  # noqa: S104 (a metrics endpoint listens)
+    p.set_defaults(fn=cmd_metrics)
 
     p = sub.add_parser("demo", help="the demo: a real workload through worker and beat")
     p.add_argument("--rows", type=int, default=3000)
@@ -244,7 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.fn is not cmd_celery:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.rest = [*extra, *args.rest]  # celery's own options, passed on in order
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
