@@ -219,7 +219,17 @@ def message_options(family: Family, row: Claimed, queue: str) -> dict[str, Any]:
         "shadow": f"{family.name}:{row.command}",
         "argsrepr": f"(row={row.id}, actor={row.actor!r}, attempt={row.attempts})",
         "kwargsrepr": "{}",
+        **_time_limits(family, 1),
     }
+
+
+def _time_limits(family: Family, rows: int) -> dict[str, float]:
+    """Celery's per-message limits; prefork workers enforce them (the heartbeat thread ends
+    the lease in any pool)."""
+    hard = family.hard_time_limit()
+    if family.time_limit is None or hard is None:
+        return {}
+    return {"soft_time_limit": family.time_limit * rows, "time_limit": hard * rows}
 
 
 def batch_options(family: Family, rows: Sequence[Claimed], queue: str) -> dict[str, Any]:
@@ -232,4 +242,5 @@ def batch_options(family: Family, rows: Sequence[Claimed], queue: str) -> dict[s
         "shadow": f"{family.name}:{shown}[{len(rows)}]",
         "argsrepr": f"(rows={[r.id for r in rows]})",
         "kwargsrepr": "{}",
+        **_time_limits(family, len(rows)),
     }

@@ -239,6 +239,7 @@ class Delivery:
             transactional=transactional,
             renew_slot=self._slot_renewer(started, family),
             next_at=time.monotonic() + family.lease / 3,
+            deadline=None if family.time_limit is None else time.monotonic() + family.time_limit,
         )
         return ctx, running
 
@@ -469,6 +470,11 @@ class Delivery:
 
     def _failed(self, started: Started, family: Family, exc: Exception) -> Result:
         error = describe_error(exc)
+        if type(exc).__name__ == "SoftTimeLimitExceeded":  # billiard's, raised by prefork
+            error = (
+                f"handler ran past the family's time_limit of {family.time_limit:g} s and was "
+                "interrupted; make it faster, or raise time_limit"
+            )
         decision = decide_failure(family, started.attempts, self.rand())
         if decision.verdict is Verdict.PARK:
             return self._park(started, family, error)

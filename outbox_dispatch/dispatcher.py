@@ -164,12 +164,15 @@ class Dispatcher:
         on_lost: str | LostAttempt = LostAttempt.RETRY,
         parked_blocks: bool = True,
         batch: int = 1,
+        time_limit: float | timedelta | None = None,
     ) -> Family:
         """Declare a family (its own queue ``<prefix>.<name>``) or replace a family's policy.
 
         ``per_actor``: at most this many rows of one actor run at once (Redis semaphores).
         ``ordered``: one actor's rows run one at a time in enqueue order; a parked row holds
         its actor's line unless ``parked_blocks=False``.
+        ``time_limit``: a handler running longer has its attempt ended (a failure: retried or
+        parked); prefork workers raise inside the handler, then kill it a little later.
         """
         family_name(name)
         if per_actor is not None:
@@ -179,6 +182,7 @@ class Dispatcher:
         except ValueError as exc:
             raise ConfigurationError(f"on_lost must be 'retry' or 'park', got {on_lost!r}") from exc
         keep = retention.total_seconds() if isinstance(retention, timedelta) else float(retention)
+        limit = time_limit.total_seconds() if isinstance(time_limit, timedelta) else time_limit
         fam = Family(
             name,
             max_attempts=max_attempts,
@@ -191,6 +195,7 @@ class Dispatcher:
             on_lost=lost,
             parked_blocks=parked_blocks,
             batch=batch,
+            time_limit=limit,
         )
         if (fam.ordered or fam.batch > 1) and self.registry.capped_commands(name):
             raise ConfigurationError(

@@ -34,6 +34,7 @@ class Running:
     next_at: float
     progress: Any = None
     cancel_requested: bool = field(default=False)
+    deadline: float | None = None  # monotonic time past which the attempt is ended
 
 
 class Heartbeats:
@@ -74,7 +75,7 @@ class Heartbeats:
             time.sleep(TICK)
             now = time.monotonic()
             with self._lock:
-                due = [e for e in self._running.values() if e.next_at <= now]
+                due = [e for e in self._running.values() if e.next_at <= now or _overdue(e, now)]
             if due:
                 try:
                     self._renew(due)
@@ -88,6 +89,11 @@ class Heartbeats:
         by_lease: dict[float, list[Running]] = {}
         for e in entries:
             e.next_at = now + e.lease / 3
+            if e.deadline is not None and now >= e.deadline:
+                # not renewed any more: the lease runs out and the row is claimed again, even
+                # when the pool cannot interrupt the handler (threads)
+                self._lost(e, "handler ran past its family's time_limit; its lease is not renewed")
+                continue
             if e.renew_slot is not None and not e.renew_slot():
                 self._lost(e, "cap slot lapsed (another row of the actor may hold it now)")
                 continue
@@ -136,3 +142,7 @@ class Heartbeats:
                 actor=e.ctx.actor,
                 attempt=e.ctx.attempt,
             )
+
+
+def _overdue(e: Running, now: float) -> bool:
+    return e.deadline is not None and now >= e.deadline and not e.ctx.cancelled.is_set()

@@ -64,6 +64,7 @@ class Family:
     parked_blocks: bool = True
     batch: int = 1  # rows per delivery message; > 1 trades per-row latency for throughput
     max_lost: int = 5  # consecutive attempts without an outcome before the row is parked
+    time_limit: float | None = None  # seconds a handler may run before its attempt is ended
 
     def __post_init__(self) -> None:
         family_name(self.name)
@@ -83,6 +84,12 @@ class Family:
             raise ConfigurationError(f"family {self.name!r}: per_actor must be None or >= 1")
         if self.retention < 0:
             raise ConfigurationError(f"family {self.name!r}: retention must be >= 0 seconds")
+        if self.time_limit is not None and not (
+            isinstance(self.time_limit, int | float) and 0 < self.time_limit < math.inf
+        ):
+            raise ConfigurationError(
+                f"family {self.name!r}: time_limit must be None or a number of seconds > 0"
+            )
         if not isinstance(self.max_lost, int) or self.max_lost < 1:
             raise ConfigurationError(f"family {self.name!r}: max_lost must be >= 1")
         if not isinstance(self.batch, int) or not 1 <= self.batch <= 1000:
@@ -97,6 +104,13 @@ class Family:
                 f"family {self.name!r}: an ordered family runs one row per actor at a time "
                 "already; drop per_actor"
             )
+
+    def hard_time_limit(self) -> float | None:
+        """Past the soft limit (which raises inside the handler), the process is killed: a
+        handler that swallows the soft limit still ends."""
+        if self.time_limit is None:
+            return None
+        return self.time_limit + max(1.0, self.time_limit * 0.1)
 
     def with_policy(self, **changes: object) -> Family:
         return replace(self, **changes)  # type: ignore[arg-type]

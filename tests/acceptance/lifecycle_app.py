@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from outbox_dispatch import Context
+from outbox_dispatch import Backoff, Context
 from tests.acceptance.envapp import SCHEMA, make_app
 
 LEASE = float(os.environ.get("OUTBOX_TEST_LEASE", "3"))
@@ -15,6 +15,9 @@ app, dispatcher = make_app("lifecycle_acceptance", claim_interval=0.25, pool_siz
 dispatcher.family("slow", lease=LEASE, max_attempts=5)
 dispatcher.family("txn", lease=LEASE, max_attempts=50)
 dispatcher.family("load", lease=LEASE, max_in_flight=100)
+dispatcher.family(
+    "limited", lease=LEASE, max_attempts=2, time_limit=1, backoff=Backoff(0.1, 0.2, 0.0)
+)
 
 
 def record(ctx: Context, kind: str, payload: Any) -> None:
@@ -49,6 +52,26 @@ def write(ctx: Context, payload: Any) -> None:
 @dispatcher.handler("load.run", family="load")
 def load(ctx: Context, payload: Any) -> None:
     time.sleep(payload.get("sleep", 0.02))
+    record(ctx, "end", payload)
+
+
+@dispatcher.handler("limited.hang", family="limited")
+def hang(ctx: Context, payload: Any) -> None:
+    record(ctx, "start", payload)
+    time.sleep(payload["sleep"])
+    record(ctx, "end", payload)
+
+
+@dispatcher.handler("limited.stubborn", family="limited")
+def stubborn(ctx: Context, payload: Any) -> None:
+    """Swallows the soft time limit and goes on: only the hard limit ends it."""
+    record(ctx, "start", payload)
+    deadline = time.monotonic() + payload["sleep"]
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(0.05)
+        except BaseException:  # the point: a handler that ignores the soft limit
+            record(ctx, "ignored", payload)
     record(ctx, "end", payload)
 
 

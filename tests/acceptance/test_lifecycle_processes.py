@@ -46,9 +46,15 @@ def _enqueue(env: dict[str, str], msgs: list[Message]) -> list[int]:
     d = Dispatcher(
         app, database_url=env["OUTBOX_TEST_DATABASE_URL"], schema=env["OUTBOX_TEST_SCHEMA"]
     )
-    for fam in ("slow", "txn", "load"):
+    for fam in ("slow", "txn", "load", "limited"):
         d.family(fam)
-    for cmd, fam in (("slow.run", "slow"), ("txn.write", "txn"), ("load.run", "load")):
+    for cmd, fam in (
+        ("slow.run", "slow"),
+        ("txn.write", "txn"),
+        ("load.run", "load"),
+        ("limited.hang", "limited"),
+        ("limited.stubborn", "limited"),
+    ):
         d.declare(cmd, family=fam)
     with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn, conn.transaction():
         ids = d.enqueue_many(conn, msgs)
@@ -66,13 +72,17 @@ def _live(env: dict[str, str]) -> int:
 
 
 def _worker(
-    spawn: Callable[..., Popen[bytes]], env: dict[str, str], name: str, c: int = 4
+    spawn: Callable[..., Popen[bytes]],
+    env: dict[str, str],
+    name: str,
+    c: int = 4,
+    pool: str = "threads",
 ) -> Popen[bytes]:
     args = [
         *CELERY,
         "worker",
         "-P",
-        "threads",
+        pool,
         "-c",
         str(c),
         "-n",
@@ -191,3 +201,52 @@ def test_warm_shutdown_under_load_loses_nothing_and_strands_no_row(
     assert set(per_row) == set(ids)
     assert max(per_row.values()) == 1
     print(f"rest of the load done {took:.1f} s after the warm shutdown (lease 60 s)")
+
+
+def _parked(env: dict[str, str]) -> dict[int, str]:
+    rows = _query(env, "SELECT id, last_error FROM S.outbox WHERE parked_at IS NOT NULL")
+    return {int(i): str(e) for i, e in rows}
+
+
+def test_hanging_handlers_end_at_the_time_limit_in_prefork_and_park(
+    env: dict[str, str], spawn: Callable[..., Popen[bytes]]
+) -> None:
+    """Soft limit: raised inside the handler, the attempt fails and is retried, then parked.
+    A handler that swallows the soft limit is killed at the hard limit: its attempts end
+    without an outcome and the last one parks the row. The worker serves on."""
+    hang, stubborn = _enqueue(
+        env,
+        [
+            Message("limited.hang", {"sleep": 60}),
+            Message("limited.stubborn", {"sleep": 60}),
+        ],
+    )
+    worker = _worker(spawn, env, "w1", c=2, pool="prefork")
+    _beat(spawn, env, "beat")
+    _wait(lambda: len(_parked(env)) == 2, 60, "both hanging rows parked")
+    parked = _parked(env)
+    assert "time_limit of 1 s" in parked[hang]
+    assert "ended without an outcome" in parked[stubborn]
+    runs = _query(env, "SELECT row_id, kind, attempt FROM S.runs WHERE kind <> 'ignored'")
+    assert sorted(runs) == sorted(
+        [(hang, "start", 1), (hang, "start", 2), (stubborn, "start", 1), (stubborn, "start", 2)]
+    )
+    assert _query(env, "SELECT count(*) FROM S.runs WHERE kind = 'ignored'")[0][0] >= 1
+    [after] = _enqueue(env, [Message("load.run", {"sleep": 0.01})])
+    _wait(lambda: _live(env) == 0, 30, "a row after the hanging ones")
+    assert _query(env, "SELECT kind FROM S.runs WHERE row_id = %s", after) == [("end",)]
+    assert worker.poll() is None
+
+
+def test_hanging_handler_in_a_threads_pool_loses_its_lease_at_the_time_limit(
+    env: dict[str, str], spawn: Callable[..., Popen[bytes]]
+) -> None:
+    """Threads cannot be interrupted: the heartbeat stops renewing the lease at the limit, so
+    the row is claimed again (maybe_applied) and, after its last attempt, parked."""
+    [hang] = _enqueue(env, [Message("limited.hang", {"sleep": 30})])
+    _worker(spawn, env, "w1", c=4)
+    _beat(spawn, env, "beat")
+    _wait(lambda: hang in _parked(env), 40, "the hanging row parked")
+    assert "ended without an outcome" in _parked(env)[hang]
+    starts = _query(env, "SELECT attempt, maybe_applied FROM S.runs WHERE kind = 'start'")
+    assert sorted(starts) == [(1, False), (2, True)]

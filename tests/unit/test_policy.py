@@ -90,3 +90,25 @@ def test_builtin_families() -> None:
     assert fams["intent"].max_attempts is None
     assert fams["job"].max_attempts is not None
     assert fams["job"].lease > fams["intent"].lease
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "5"])
+def test_time_limit_must_be_positive_seconds(bad: object) -> None:
+    with pytest.raises(ConfigurationError, match="time_limit"):
+        Family("limited", time_limit=bad)  # type: ignore[arg-type]
+
+
+def test_time_limits_go_on_the_message_with_a_hard_limit_past_the_soft_one() -> None:
+    from uuid import uuid4
+
+    from outbox_dispatch.claimer import batch_options, message_options
+    from outbox_dispatch.store import Claimed
+
+    row = Claimed(1, uuid4(), "c", None, 1)
+    assert "time_limit" not in message_options(Family("plain"), row, "q")
+    opts = message_options(Family("limited", time_limit=20), row, "q")
+    assert (opts["soft_time_limit"], opts["time_limit"]) == (20, 22)
+    short = message_options(Family("limited", time_limit=2), row, "q")
+    assert (short["soft_time_limit"], short["time_limit"]) == (2, 3)
+    batch = batch_options(Family("limited", time_limit=2, batch=5), [row, row], "q")
+    assert (batch["soft_time_limit"], batch["time_limit"]) == (4, 6)
