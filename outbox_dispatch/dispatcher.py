@@ -131,6 +131,7 @@ class Dispatcher:
         self.schedules: dict[str, Schedule] = {}
         self._cron_task = wiring.register_periodic(app, wiring.CRON_TASK, self.run_cron)
         wiring.on_configured(app, self._apply_queues)
+        self.listen = listen
         if listen:
             install_bootstep(app, self.wake_listener)
         metrics.install_worker_server(app, self)

@@ -165,7 +165,7 @@ class Store:
         """Enqueue into an ordered family: the actor lock is held until the caller commits, so
         concurrent producers of one actor get ids in commit order."""
         params = {**_insert_params(row, self.channel), "parked_blocks": parked_blocks}
-        with translated("enqueue"), conn.transaction():
+        with translated("enqueue"), _in_callers_transaction(conn):
             conn.execute(
                 self.q["lock_actor"],
                 {"lock_name": _actor_lock(self.schema, row.family, row.actor or "")},
@@ -192,7 +192,7 @@ class Store:
         in_line = [i for i, r in enumerate(rows) if r.family in ordered and r.actor is not None]
         plain = [i for i in range(len(rows)) if i not in set(in_line)]
         ids: list[int | None] = [None] * len(rows)
-        scope = conn.transaction() if in_line else contextlib.nullcontext()
+        scope = _in_callers_transaction(conn) if in_line else contextlib.nullcontext()
         with translated("enqueue_many"), scope, conn.cursor() as cur:
             locks = sorted(
                 {_actor_lock(self.schema, rows[i].family, rows[i].actor or "") for i in in_line}
@@ -684,6 +684,14 @@ def _insert_params(row: PreparedRow, channel: str) -> dict[str, Any]:
         "at": row.at,
         "trace": row.trace_json,
     }
+
+
+def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any]:
+    """Statements that belong together, in the caller's transaction. psycopg's transaction() on
+    an idle connection that is not in autocommit opens and commits a transaction of its own, so
+    the row would commit without the caller's change (and survive its rollback): there the
+    implicit transaction the statements open is the caller's, and is scope enough."""
+    return conn.transaction() if conn.autocommit else contextlib.nullcontext()
 
 
 def _actor_lock(schema: str, family: str, actor: str) -> str:

@@ -152,3 +152,32 @@ def test_enqueue_needs_a_psycopg_connection(
 ) -> None:
     with pytest.raises(InvalidArgument, match="psycopg 3 Connection"):
         dispatcher.enqueue(object(), commands(), {})  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def in_line(dispatcher: Dispatcher) -> str:
+    dispatcher.family("in_line", ordered=True)
+    dispatcher.declare("o.step", family="in_line")
+    return "o.step"
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_ordered_enqueue_as_the_first_statement_rolls_back_with_the_caller(
+    dispatcher: Dispatcher, in_line: str, database_url: str, schema: str, many: bool
+) -> None:
+    """The actor lock and insert must not run in a transaction of their own: on an idle
+    connection that would commit the row before the caller decided."""
+    with psycopg.connect(database_url) as conn:
+        if many:
+            dispatcher.enqueue_many(conn, [Message(in_line, {}, actor="a1")])
+        else:
+            dispatcher.enqueue(conn, in_line, {}, actor="a1")
+        conn.rollback()
+        assert count_rows(database_url, schema, "family = 'in_line'") == 0
+        dispatcher.enqueue(conn, in_line, {}, actor="a1")
+        assert count_rows(database_url, schema, "family = 'in_line'") == 0  # not committed yet
+        conn.commit()
+    assert count_rows(database_url, schema, "family = 'in_line'") == 1
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        dispatcher.enqueue(conn, in_line, {}, actor="a2")  # autocommit: the row commits at once
+    assert count_rows(database_url, schema, "family = 'in_line'") == 2
