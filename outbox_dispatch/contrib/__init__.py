@@ -1,0 +1,1 @@
+"""Integrations with frameworks that own the application's database connection."""

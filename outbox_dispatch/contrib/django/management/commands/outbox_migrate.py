@@ -1,0 +1,73 @@
+"""``manage.py outbox_migrate``: the outbox's own SQL migrations, which Django's ``migrate``
+does not see (they are versioned SQL files, not Django migrations)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from .....dispatcher import Dispatcher
+from .....logs import mask_dsn
+from .....migrations import applied_versions
+from .....sqlfiles import Migration, migrations
+from ...apps import get_dispatcher
+
+
+class Command(BaseCommand):  # type: ignore[misc]
+    help = (
+        "Apply outbox_dispatch's SQL migrations to the schema of settings.OUTBOX_DISPATCHER's "
+        "Dispatcher, on the Dispatcher's database_url. Django's migrate does not know these "
+        "files: run this once per deploy next to migrate. Safe to repeat, and to run from "
+        "several machines at once (an advisory lock serializes them)."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--check",
+            action="store_true",
+            help="Apply nothing; exit with status 1 when migrations are pending.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        self.quiet = options["verbosity"] < 1
+        dispatcher = get_dispatcher()
+        where = f"schema {dispatcher.schema!r} on {mask_dsn(dispatcher.database_url)}"
+        try:
+            if options["check"]:
+                missing = pending(dispatcher)
+                if missing:
+                    raise CommandError(
+                        f"{len(missing)} outbox migrations pending in {where}: "
+                        f"{', '.join(_name(m) for m in missing)}; run manage.py outbox_migrate",
+                        returncode=1,
+                    )
+                self._say(f"outbox {where} is up to date")
+                return
+            applied = set(dispatcher.migrate())
+        except psycopg.Error as exc:
+            doing = "check" if options["check"] else "migrate"
+            raise CommandError(f"cannot {doing} the outbox {where}: {exc}") from exc
+        if not applied:
+            self._say(f"outbox {where} is up to date")
+            return
+        for migration in migrations():
+            if migration.version in applied:
+                self._say(f"applied {_name(migration)}", success=True)
+        self._say(f"outbox {where} migrated")
+
+    def _say(self, text: str, *, success: bool = False) -> None:
+        if not self.quiet:
+            self.stdout.write(self.style.SUCCESS(text) if success else text)
+
+
+def pending(dispatcher: Dispatcher) -> list[Migration]:
+    """Migrations not yet applied to the dispatcher's schema (all of them on a fresh one)."""
+    with psycopg.connect(dispatcher.database_url, autocommit=True) as conn:
+        done = applied_versions(conn, dispatcher.schema)
+    return [m for m in migrations() if m.version not in done]
+
+
+def _name(migration: Migration) -> str:
+    return f"{migration.version:04d}_{migration.name}"

@@ -1,0 +1,31 @@
+"""Settings of the test project: the test Postgres (``OUTBOX_TEST_DATABASE_URL``), Django's
+tables in ``OUTBOX_TEST_DJANGO_SCHEMA`` (the session's schema) through the search_path."""
+
+from __future__ import annotations
+
+import os
+
+from psycopg.conninfo import conninfo_to_dict
+
+from tests.conftest import DATABASE_URL
+
+_db = conninfo_to_dict(DATABASE_URL)
+_schema = os.environ.get("OUTBOX_TEST_DJANGO_SCHEMA", "public")
+
+SECRET_KEY = "outbox-dispatch-tests-only"
+INSTALLED_APPS = ["outbox_dispatch.contrib.django", "tests.django_project.shop"]
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": _db.get("dbname"),
+        "USER": _db.get("user", ""),
+        "PASSWORD": _db.get("password", ""),
+        "HOST": _db.get("host", ""),
+        "PORT": _db.get("port", ""),
+        "OPTIONS": {"options": f"-c search_path={_schema}"},
+    }
+}
+OUTBOX_DISPATCHER = "tests.django_project.outbox:dispatcher"
+USE_TZ = True
+TIME_ZONE = "UTC"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
