@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -14,7 +14,7 @@ from celery import Celery
 
 from . import metrics, tracing, wiring
 from .caps import Caps
-from .claimer import Claimer, ClaimReport, batch_options, message_options
+from .claimer import Claimer, ClaimReport
 from .cron import CatchUp, Schedule
 from .delivery import Delivery, Outcome, Result
 from .errors import ConfigurationError, DrainLoop, DrainTimeout, InvalidArgument, UnknownFamily
@@ -23,6 +23,7 @@ from .logs import event
 from .migrations import migrate
 from .naming import family_name, identifier
 from .policy import Backoff, Family, LostAttempt, builtin_families
+from .publisher import Publisher
 from .store import Claimed, Conn, FamilyStatus, Store
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
 from .wake import WakeListener, install_bootstep
@@ -122,6 +123,7 @@ class Dispatcher:
         self._deliver_task, self._claim_task = wiring.register_tasks(
             app, self._deliver_from_queue, self.claim_and_publish
         )
+        self.publisher = Publisher(app, self._deliver_task)
         wiring.add_beat_entry(app, claim_interval, self.claim_queue)
         self.prune_batch = prune_batch
         wiring.register_periodic(app, wiring.PRUNE_TASK, self.prune)
@@ -357,23 +359,8 @@ class Dispatcher:
 
     def publish(self, family: Family, rows: Sequence[Claimed]) -> None:
         """One message per row, or per ``family.batch`` rows; all on one producer connection."""
-        queue = self.queue_name(family.name)
-        with self.app.producer_or_acquire() as producer, _batched(producer):
-            if family.batch == 1:
-                for row in rows:
-                    self._deliver_task.apply_async(
-                        (row.id, str(row.token)),
-                        producer=producer,
-                        **message_options(family, row, queue),
-                    )
-                return
-            for i in range(0, len(rows), family.batch):
-                chunk = rows[i : i + family.batch]
-                self._deliver_task.apply_async(
-                    ([[r.id, str(r.token)] for r in chunk],),
-                    producer=producer,
-                    **batch_options(family, chunk, queue),
-                )
+        if rows:
+            self.publisher.publish(family, rows, self.queue_name(family.name))
 
     def claim_and_publish(self, families: list[str] | None = None) -> ClaimReport:
         """One claimer pass (the beat task): claim each family's (or the named families') due
@@ -683,18 +670,6 @@ def _from_sqlalchemy(conn: Any) -> Conn:
     raise InvalidArgument(
         f"enqueue cannot use a {type(conn).__name__}: pass a Session or Connection"
     )
-
-
-@contextlib.contextmanager
-def _batched(producer: Any) -> Iterator[None]:
-    """Publish through one pipeline per claim (kombu >= 5.7's Producer.batch): the messages
-    leave together when the block ends, after the claim committed."""
-    batch = getattr(producer, "batch", None)
-    if batch is None:
-        yield
-        return
-    with batch(max_size=1000):
-        yield
 
 
 def _groups(claimed: list[tuple[Family, Claimed]]) -> list[tuple[Family, list[Claimed]]]:
