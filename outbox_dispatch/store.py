@@ -229,9 +229,19 @@ class Store:
             limit = self._claim_limit(conn, family, batch)
             if limit == 0:
                 return ClaimResult(family.name, [], [], 0)
-            params = {**_lease_params(family), "family": family.name, "limit": limit}
-            rows = conn.execute(self.q["claim"], params).fetchall()
+            picked = conn.execute(
+                self.q["pick_due"], {"family": family.name, "limit": limit}
+            ).fetchall()
+            rows = self._lease_rows(conn, family, [int(r[0]) for r in picked], [])
         return _claim_result(family.name, rows, limit)
+
+    def _lease_rows(
+        self, conn: Conn, family: Family, ids: list[int], tokens: list[UUID]
+    ) -> list[tuple[Any, ...]]:
+        if not ids:
+            return []
+        params = {**_lease_params(family), "ids": ids, "tokens": tokens}
+        return conn.execute(self.q["lease_rows"], params).fetchall()
 
     def claim_capped(
         self,
@@ -264,14 +274,7 @@ class Store:
             ).fetchall()
             candidates = [Candidate(int(r[0]), r[1], r[2], int(r[3])) for r in found]
             take, wait = decide(candidates, limit)
-            rows = []
-            if take:
-                params = {
-                    **_lease_params(family),
-                    "ids": [i for i, _ in take],
-                    "tokens": [t for _, t in take],
-                }
-                rows = conn.execute(self.q["claim_ids"], params).fetchall()
+            rows = self._lease_rows(conn, family, [i for i, _ in take], [t for _, t in take])
             if wait:
                 conn.execute(self.q["mark_waiting"], {"ids": wait, "lease": family.lease})
         result = _claim_result(family.name, rows, limit)

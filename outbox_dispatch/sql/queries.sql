@@ -31,51 +31,56 @@ SELECT count(*) FROM __SCHEMA__.outbox
 WHERE family = %(family)s AND claim_token IS NOT NULL
   AND (due_at > now() OR started_at IS NOT NULL);
 
--- name: claim
--- One statement: pick due rows of a family from the outbox_due index range, skip rows that
--- another claimer holds, then lease them under a fresh token. A previous claim that never
--- started (its message was lost or came too late) does not count as an attempt; one that
--- started and never settled was lost mid-run, so the next attempt is marked maybe_applied,
--- and a lost last attempt parks the row instead of running it again.
--- The judgement reads the locked rows' own columns: joining picked back to the table would let
--- the planner scan the whole table.
-WITH picked AS (
-    SELECT id, started_at, attempts, lost_attempts FROM __SCHEMA__.outbox
-    WHERE family = %(family)s AND due_at <= now()
-      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
-    ORDER BY due_at
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-),
-judged AS (
-    SELECT p.id,
-           p.started_at IS NOT NULL AS lost,
-           p.started_at IS NOT NULL AND (
-               %(park_lost)s OR p.lost_attempts + 1 >= %(max_lost)s::int
-               OR (%(max_attempts)s::int IS NOT NULL AND p.attempts >= %(max_attempts)s::int)
-           ) AS exhausted
-    FROM picked p
-)
+-- name: pick_due
+-- A claim's first statement: due rows of a family from the outbox_due index range, oldest
+-- first, skipping rows another claimer holds; locked until the claim commits.
+SELECT id FROM __SCHEMA__.outbox
+WHERE family = %(family)s AND due_at <= now()
+  AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+ORDER BY due_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: lease_rows
+-- A claim's second statement: lease the rows it holds locked (picked due rows, or the capped
+-- claim's take) under the given tokens (the cap slots' tokens; none given: a fresh one each).
+-- A previous claim that never started (its message was lost or came too late) does not count
+-- as an attempt; one that started and never settled was lost mid-run, so the next attempt is
+-- marked maybe_applied, and a lost last attempt parks the row instead of running it again
+-- (returned with no token). Each row is judged from its own columns and found by primary key:
+-- no join, so no plan can turn the claim into a scan per row (a table without statistics
+-- once got a nested loop of sequential scans: 5 s for 2,000 rows).
 UPDATE __SCHEMA__.outbox o SET
-    attempts = CASE
-        WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
-        ELSE o.attempts + 1 END,
-    maybe_applied = o.maybe_applied OR j.lost,
-    lost_attempts = o.lost_attempts + j.lost::int,
-    last_error = CASE WHEN j.lost
-        THEN 'attempt ' || o.attempts || ' ended without an outcome (worker died or lease ran out)'
-        ELSE o.last_error END,
-    claim_token = CASE WHEN j.exhausted THEN NULL ELSE gen_random_uuid() END,
-    claimed_at = CASE WHEN j.exhausted THEN NULL ELSE now() END,
-    due_since = CASE WHEN j.exhausted THEN o.due_since ELSE o.due_at END,
-    started_at = NULL,
-    waiting = false,
-    parked_at = CASE WHEN j.exhausted THEN now() END,
-    due_at = CASE WHEN j.exhausted THEN o.due_at
-                  ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
-FROM judged j
-WHERE o.id = j.id AND o.id = ANY(ARRAY(SELECT id FROM judged))  -- primary-key lookups
-RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.last_error;
+    (attempts, maybe_applied, lost_attempts, last_error, claim_token, claimed_at, due_since,
+     started_at, waiting, parked_at, due_at) = (
+    SELECT
+        CASE WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
+             ELSE o.attempts + 1 END,
+        o.maybe_applied OR j.lost,
+        o.lost_attempts + j.lost::int,
+        CASE WHEN j.lost THEN 'attempt ' || o.attempts
+                 || ' ended without an outcome (worker died or lease ran out)'
+             ELSE o.last_error END,
+        CASE WHEN j.exhausted THEN NULL
+             WHEN cardinality(%(tokens)s::uuid[]) = 0 THEN gen_random_uuid()
+             ELSE (%(tokens)s::uuid[])[array_position(%(ids)s::bigint[], o.id)] END,
+        CASE WHEN j.exhausted THEN NULL ELSE now() END,
+        CASE WHEN j.exhausted THEN o.due_since ELSE o.due_at END,
+        NULL::timestamptz,
+        false,
+        CASE WHEN j.exhausted THEN now() END,
+        CASE WHEN j.exhausted THEN o.due_at
+             ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
+    FROM (SELECT o.started_at IS NOT NULL AS lost,
+                 o.started_at IS NOT NULL AND (
+                     %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
+                     OR (%(max_attempts)s::int IS NOT NULL
+                         AND o.attempts >= %(max_attempts)s::int)
+                 ) AS exhausted) j
+)
+WHERE o.id = ANY(%(ids)s::bigint[])
+RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, o.claim_token IS NULL,
+    o.last_error;
 
 -- name: begin
 -- Delivery start: the token must still hold, the lease must still run and the attempt must
@@ -358,43 +363,6 @@ SELECT id, actor, command,
             ELSE row_number() OVER (PARTITION BY actor ORDER BY due_at, id) END AS rank
 FROM due
 ORDER BY rank, due_at, id;
-
--- name: claim_ids
--- Lease the rows the capped claim picked, under the tokens their cap slots were taken with.
--- Same attempt accounting as `claim`.
-WITH picked AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
-),
-judged AS (
-    SELECT o.id, p.token,
-           o.started_at IS NOT NULL AS lost,
-           o.started_at IS NOT NULL AND (
-               %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
-               OR (%(max_attempts)s::int IS NOT NULL AND o.attempts >= %(max_attempts)s::int)
-           ) AS exhausted
-    FROM __SCHEMA__.outbox o JOIN picked p USING (id)
-    WHERE o.id = ANY(%(ids)s::bigint[])  -- a primary-key lookup, never a scan of the table
-)
-UPDATE __SCHEMA__.outbox o SET
-    attempts = CASE
-        WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
-        ELSE o.attempts + 1 END,
-    maybe_applied = o.maybe_applied OR j.lost,
-    lost_attempts = o.lost_attempts + j.lost::int,
-    last_error = CASE WHEN j.lost
-        THEN 'attempt ' || o.attempts || ' ended without an outcome (worker died or lease ran out)'
-        ELSE o.last_error END,
-    claim_token = CASE WHEN j.exhausted THEN NULL ELSE j.token END,
-    claimed_at = CASE WHEN j.exhausted THEN NULL ELSE now() END,
-    due_since = CASE WHEN j.exhausted THEN o.due_since ELSE o.due_at END,
-    started_at = NULL,
-    waiting = false,
-    parked_at = CASE WHEN j.exhausted THEN now() END,
-    due_at = CASE WHEN j.exhausted THEN o.due_at
-                  ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
-FROM judged j
-WHERE o.id = j.id AND o.id = ANY(ARRAY(SELECT id FROM judged))  -- primary-key lookups
-RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, j.exhausted, o.last_error;
 
 -- name: mark_waiting
 -- Rows whose actor is at its cap leave the due range for one lease, or until a slot frees.

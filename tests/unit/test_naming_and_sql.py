@@ -35,7 +35,7 @@ def test_good_identifier_is_quoted() -> None:
 
 def test_named_queries_are_complete_and_schema_qualified() -> None:
     names = set(raw_queries())
-    assert {"insert", "claim", "begin", "settle_delete", "settle_retry", "settle_park"} <= names
+    assert {"insert", "pick_due", "lease_rows", "begin", "settle_delete", "settle_park"} <= names
     for name, text in queries_for("my_schema").items():
         assert "__SCHEMA__" not in text, name
         if "outbox" in text:
