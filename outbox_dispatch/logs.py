@@ -9,12 +9,50 @@ from typing import Any
 
 ROW_FIELDS = ("row_id", "family", "command", "actor", "attempt")
 
-_PASSWORD = re.compile(r"(://[^:/@]+:)([^@]+)(@)")
+MASK = "***"
+
+# scheme://user:password@host — the user may be empty (redis://:pw@host). Parsers disagree on
+# where an unencoded '@' or '/' in a password ends it (libpq: the first '@', urllib: the last
+# one before the path), so everything up to the token's last '@' is masked: a URL with an '@'
+# in its path shows less of itself, and no password shows at all.
+_URL_PASSWORD = re.compile(
+    r"(?P<pre>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]*:)(?P<secret>[^\s'\"]*)(?P<post>@)"
+)
+# ?password=... or &sslpassword=... in a URL's query string
+_QUERY_PASSWORD = re.compile(r"(?P<pre>[?&][a-zA-Z_]*password=)(?P<secret>[^&#\s'\"]*)", re.I)
+# password=... in a libpq keyword DSN: an unquoted value up to whitespace, or a quoted one
+# with \' and \\ escapes
+_KEYWORD_PASSWORD = re.compile(
+    r"(?P<pre>(?<![\w?&])[a-zA-Z_]*password\s*=\s*)(?P<secret>'(?:[^'\\]|\\.)*'?|[^\s]*)", re.I
+)
 
 
-def mask_dsn(dsn: str) -> str:
-    """Hide the password of a URL-style DSN before it reaches a log or an error message."""
-    return _PASSWORD.sub(r"\1***\3", dsn)
+def mask_dsn(text: str) -> str:
+    """Hide every password in ``text`` before it reaches a log line or an error message.
+
+    Works on a DSN (URL or libpq keyword form, Postgres or Redis) and on any text that embeds
+    one, such as a driver error that quotes the URL it could not parse.
+    """
+    text = _URL_PASSWORD.sub(rf"\g<pre>{MASK}\g<post>", text)
+    text = _QUERY_PASSWORD.sub(rf"\g<pre>{MASK}", text)
+    return _KEYWORD_PASSWORD.sub(rf"\g<pre>{MASK}", text)
+
+
+class MaskDsnFilter(logging.Filter):
+    """Masks passwords in records of loggers we do not own (psycopg_pool logs the driver's
+    connection errors, which can quote the DSN). Attach it to a handler, or to a logger for
+    the records logged on that logger itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = mask_dsn(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = mask_dsn(record.exc_text)
+        return True
 
 
 def event(logger: logging.Logger, level: int, action: str, message: str, **fields: Any) -> None:

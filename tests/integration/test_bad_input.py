@@ -1,0 +1,434 @@
+"""Bad input that test_enqueue, test_delivery and test_worker do not cover yet: the remaining
+enqueue and cancel checks, bad identifiers, payloads a handler's own schema rejects (in every
+kind of handler), rows of a family or command this worker does not know, and broker messages
+that are not ours (pickle, raw bodies, unknown task names)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from celery import Celery
+
+import outbox_dispatch
+from outbox_dispatch import (
+    ConfigurationError,
+    Context,
+    Dispatcher,
+    InvalidArgument,
+    InvalidIdentifier,
+    InvalidPayload,
+    Message,
+    Outcome,
+    PermanentFailure,
+)
+from outbox_dispatch.wiring import DELIVER_TASK
+from tests.conftest import count_rows
+
+from .conftest import Effects
+
+
+def _row(database_url: str, schema: str, row_id: int) -> dict[str, Any]:
+    with psycopg.connect(database_url) as conn:
+        cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+        found = cur.execute(f'SELECT * FROM "{schema}".outbox WHERE id = %s', (row_id,)).fetchone()
+    assert found is not None
+    return found
+
+
+def _enqueue(d: Dispatcher, database_url: str, cmd: str, payload: Any = None, **kw: Any) -> int:
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        return d.enqueue(conn, cmd, payload if payload is not None else {}, **kw)
+
+
+@pytest.fixture
+def other_app() -> Iterator[Callable[..., Dispatcher]]:
+    """Another service's dispatcher on the same schema (its own families and handlers)."""
+    made: list[Dispatcher] = []
+
+    def make(database_url: str, schema: str) -> Dispatcher:
+        app = Celery(f"other_{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False)
+        d = Dispatcher(app, database_url=database_url, schema=schema, listen=False)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+# -- enqueue and cancel checks ------------------------------------------------------------------
+
+MORE_BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception]]] = [
+    ("actor too long", {"actor": "a" * 513}, InvalidArgument),
+    ("actor with NUL", {"actor": "a\x00b"}, InvalidArgument),
+    ("actor lone surrogate", {"actor": "\udfff"}, InvalidArgument),
+    ("dedupe key empty", {"dedupe_key": ""}, InvalidArgument),
+    ("dedupe key with NUL", {"dedupe_key": "k\x00"}, InvalidArgument),
+    ("at not a datetime", {"at": "2030-01-01T00:00:00Z"}, InvalidArgument),
+    ("at as a timestamp", {"at": time.time()}, InvalidArgument),
+    ("delay as a float", {"delay": 1.5}, InvalidArgument),
+    ("payload lone surrogate", {"payload": {"name": "\ud800"}}, InvalidPayload),
+    ("payload bytes", {"payload": {"blob": b"\x00\x01"}}, InvalidPayload),
+    ("payload tuple key", {"payload": {(1, 2): "a"}}, InvalidPayload),
+    ("payload infinity", {"payload": [float("inf")]}, InvalidPayload),
+    ("payload deep NUL key", {"payload": {"a": [{"b\x00": 1}]}}, InvalidPayload),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "change", "error"), MORE_BAD_INPUTS, ids=[b[0] for b in MORE_BAD_INPUTS]
+)
+def test_more_bad_input_raises_before_any_sql_and_writes_nothing(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    what: str,
+    change: dict[str, Any],
+    error: type[Exception],
+) -> None:
+    cmd = commands()
+    call: dict[str, Any] = {"command": cmd, "payload": {"ok": True}, **change}
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        conn.execute("SELECT 1")
+        with pytest.raises(error):
+            dispatcher.enqueue(conn, **call)
+        with pytest.raises(error):
+            dispatcher.enqueue_many(conn, [Message(cmd, {"fine": 1}), Message(**call)])
+        conn.execute("SELECT 1")  # no SQL ran: the caller's transaction is still usable
+    assert count_rows(database_url, dispatcher.schema) == 0
+
+
+def test_enqueue_many_refuses_what_is_not_a_message(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    cmd = commands()
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        with pytest.raises(InvalidArgument, match="takes Message objects, got dict"):
+            dispatcher.enqueue_many(conn, [Message(cmd, {}), {"command": cmd}])  # type: ignore[list-item]
+        conn.execute("SELECT 1")
+    assert count_rows(database_url, dispatcher.schema) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "needs a row id, a dedupe_key, or an actor"),
+        ({"row_id": "7"}, "row_id must be an int"),
+        ({"row_id": True}, "row_id must be an int"),
+        ({"dedupe_key": 7}, "dedupe_key must be a str"),
+        ({"actor": b"a"}, "actor must be a str"),
+        ({"actor": "a", "command": 3}, "command must be a str"),
+        ({"row_id": 1, "reason": ["x"]}, "reason must be a str"),
+        ({"row_id": 1, "by": object()}, "by must be a str"),
+    ],
+)
+def test_bad_cancel_arguments_are_refused_before_any_sql(
+    dispatcher: Dispatcher, database_url: str, kwargs: dict[str, Any], match: str
+) -> None:
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        with pytest.raises(InvalidArgument, match=match):
+            dispatcher.cancel(conn, **kwargs)
+        conn.execute("SELECT 1")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"schema": 'outbox"; DROP TABLE x; --'},
+        {"schema": "public.outbox"},
+        {"queue_prefix": "outbox.evil"},
+        {"queue_prefix": "a b"},
+        {"key_prefix": "out{box}"},
+        {"key_prefix": "out box"},
+        {"key_prefix": "out\nbox"},
+    ],
+)
+def test_identifiers_that_reach_sql_queue_names_or_redis_keys_are_validated(
+    kwargs: dict[str, Any],
+) -> None:
+    app = Celery("idents", broker="memory://", set_as_current=False)
+    with pytest.raises(ConfigurationError):  # InvalidIdentifier is a ConfigurationError
+        Dispatcher(
+            app,
+            database_url="postgresql://nobody@127.0.0.1:1/none",
+            redis_url="redis://127.0.0.1:1/0",
+            **kwargs,
+        )
+
+
+def test_family_and_cron_names_are_validated() -> None:
+    app = Celery("idents2", broker="memory://", set_as_current=False)
+    d = Dispatcher(app, database_url="postgresql://nobody@127.0.0.1:1/none")
+    for bad in ["UPPER", "a-b", "a.b", "1abc", "", "x" * 49, "é"]:
+        with pytest.raises(InvalidIdentifier):
+            d.family(bad)
+    d.declare("c.cron")
+    with pytest.raises(ConfigurationError, match="not a cron expression"):
+        d.cron("bad", "61 * * * *", "c.cron", {})
+    with pytest.raises(ConfigurationError, match="unknown time zone"):
+        d.cron("bad", "* * * * *", "c.cron", {}, tz="Mars/Olympus")
+    with pytest.raises(InvalidPayload):
+        d.cron("bad", "* * * * *", "c.cron", {"when": datetime.now(UTC)})
+
+
+def test_family_takes_max_lost_as_documented() -> None:
+    app = Celery("max_lost", broker="memory://", set_as_current=False)
+    d = Dispatcher(app, database_url="postgresql://nobody@127.0.0.1:1/none")
+    documented: dict[str, Any] = {"max_lost": 2}
+    fam = d.family("fragile", max_attempts=None, **documented)
+    assert fam.max_lost == 2
+
+
+# -- a payload the handler's own schema rejects -------------------------------------------------
+
+
+class BadPayload(PermanentFailure):
+    """A handler's own validation error: retrying the same payload cannot help."""
+
+
+def _validate(payload: Any) -> None:
+    """What a handler's schema check looks like: wrap the validator's error as permanent."""
+    try:
+        if not isinstance(payload.get("email"), str):
+            raise ValueError("'email' is required and must be a string")
+    except ValueError as exc:
+        raise BadPayload(f"payload rejected: {exc}") from exc
+
+
+def test_payload_the_handler_rejects_parks_at_once_even_in_a_family_that_retries_forever(
+    dispatcher: Dispatcher, commands: Callable[..., str], effects: Effects, database_url: str
+) -> None:
+    cmd = commands(family="intent", fn=lambda ctx, payload: _validate(payload))  # retries forever
+    bad = _enqueue(dispatcher, database_url, cmd, {"email": 42})
+    good = _enqueue(dispatcher, database_url, cmd, {"email": "a@example.com"})
+    report = dispatcher.drain(timeout=5)
+    assert (report.count(Outcome.PARKED), report.delivered) == (1, 1)
+    row = _row(database_url, dispatcher.schema, bad)
+    assert row["parked_at"] is not None and row["attempts"] == 1
+    assert row["last_error"] == (
+        "tests.integration.test_bad_input.BadPayload: "
+        "payload rejected: 'email' is required and must be a string"
+    )
+    # not retried: later passes leave it parked and never run it again
+    time.sleep(0.1)
+    assert dispatcher.drain(timeout=5).rounds == 0
+    assert effects.rows(cmd) == [bad, good]
+    parked = dispatcher.store.parked_list()
+    assert [(p["id"], p["attempts"]) for p in parked] == [(bad, 1)]
+
+
+def test_payload_rejected_in_a_batch_parks_only_that_row(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    cmd = commands(family="bulk", fn=lambda ctx, payload: _validate(payload))  # batch=10
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(
+            conn, [Message(cmd, {"email": "x@y"} if i != 3 else {}) for i in range(6)]
+        )
+    report = dispatcher.drain(timeout=5)
+    assert (report.delivered, report.count(Outcome.PARKED)) == (5, 1)
+    row = _row(database_url, dispatcher.schema, ids[3])
+    assert row["attempts"] == 1 and "payload rejected" in row["last_error"]
+    assert count_rows(database_url, dispatcher.schema) == 1
+
+
+def test_payload_rejected_by_a_transactional_handler_parks_and_rolls_its_writes_back(
+    dispatcher: Dispatcher, database_url: str, schema: str
+) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE TABLE IF NOT EXISTS "{schema}".bad_input_effects (row_id bigint)')
+    cmd = f"t.txn.{uuid.uuid4().hex[:6]}"
+
+    @dispatcher.handler(cmd, family="quick", transactional=True)
+    def write_then_validate(ctx: Context, payload: Any) -> None:
+        ctx.conn.execute(
+            f'INSERT INTO "{schema}".bad_input_effects (row_id) VALUES (%s)', (ctx.row_id,)
+        )
+        _validate(payload)
+
+    bad = _enqueue(dispatcher, database_url, cmd, {"email": None})
+    good = _enqueue(dispatcher, database_url, cmd, {"email": "ok@example.com"})
+    report = dispatcher.drain(timeout=5)
+    assert (report.delivered, report.count(Outcome.PARKED)) == (1, 1)
+    row = _row(database_url, schema, bad)
+    assert row["attempts"] == 1 and "payload rejected" in row["last_error"]
+    with psycopg.connect(database_url) as conn:
+        written = conn.execute(f'SELECT row_id FROM "{schema}".bad_input_effects').fetchall()
+    assert written == [(good,)]
+
+
+def test_an_ordinary_exception_from_a_schema_check_is_retried_not_parked(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """Only PermanentFailure parks at once: a bare ValueError is a failure like any other."""
+
+    def strict(ctx: Context, payload: Any) -> None:
+        raise ValueError("'email' is required")
+
+    cmd = commands(family="quick", fn=strict)  # max_attempts=3
+    row_id = _enqueue(dispatcher, database_url, cmd, {})
+    assert dispatcher.drain(timeout=5).count(Outcome.RETRIED) == 1
+    row = _row(database_url, dispatcher.schema, row_id)
+    assert row["parked_at"] is None and row["attempts"] == 1
+
+
+# -- rows of a family or command this worker does not know --------------------------------------
+
+
+def test_row_of_a_family_this_worker_does_not_declare_is_parked_with_a_clear_error(
+    dispatcher: Dispatcher,
+    other_app: Callable[..., Dispatcher],
+    database_url: str,
+    schema: str,
+) -> None:
+    producer = other_app(database_url, schema)  # it claims, and publishes to outbox.elsewhere
+    producer.family("elsewhere", lease=30)
+    producer.declare("x.elsewhere", family="elsewhere")
+    row_id = _enqueue(producer, database_url, "x.elsewhere", {"n": 1})
+    [claimed] = producer.claimer.claim_family(producer.families["elsewhere"]).claimed
+
+    # a worker that consumes that queue without declaring the family (a stale deploy)
+    [result] = dispatcher.delivery.deliver_message(
+        (claimed.id, str(claimed.token)), family_hint="elsewhere"
+    )
+    assert result.outcome is Outcome.PARKED
+    row = _row(database_url, schema, row_id)
+    assert row["attempts"] == 1
+    assert row["last_error"] == (
+        "family 'elsewhere' is not declared in this worker: "
+        "declare it with dispatcher.family() and retry the parked row"
+    )
+
+    # once a worker knows it, `parked retry` brings it back and it is delivered
+    fixed = other_app(database_url, schema)
+    fixed.family("elsewhere", lease=30)
+    seen: list[int] = []
+    fixed.handler("x.elsewhere", family="elsewhere")(lambda ctx, p: seen.append(ctx.attempt))
+    assert fixed.parked_retry(ids=[row_id]) == [row_id]
+    assert fixed.drain(timeout=5).delivered == 1
+    assert seen == [1]
+
+
+def test_row_of_a_command_this_worker_has_never_heard_of_is_parked(
+    dispatcher: Dispatcher, other_app: Callable[..., Dispatcher], database_url: str, schema: str
+) -> None:
+    producer = other_app(database_url, schema)
+    cmd = f"x.unknown.{uuid.uuid4().hex[:6]}"
+    producer.declare(cmd, family="intent")
+    row_id = _enqueue(producer, database_url, cmd)
+    [claimed] = producer.claimer.claim_family(producer.families["intent"]).claimed
+    [result] = dispatcher.delivery.deliver_message((claimed.id, str(claimed.token)))
+    assert result.outcome is Outcome.PARKED
+    row = _row(database_url, schema, row_id)
+    assert row["attempts"] == 1
+    assert f"no handler for command {cmd!r} in this worker" in row["last_error"]
+
+
+def test_message_routed_through_an_unknown_family_queue_still_delivers_its_row(
+    dispatcher: Dispatcher, commands: Callable[..., str], effects: Effects, database_url: str
+) -> None:
+    """The routing key only chooses the lease of the begin statement; the row decides the
+    rest, so a message from an unknown queue is neither trusted nor lost."""
+    cmd = commands()
+    row_id = _enqueue(dispatcher, database_url, cmd)
+    [claimed] = dispatcher.claimer.claim_family(dispatcher.families["intent"]).claimed
+    [result] = dispatcher.delivery.deliver_message(
+        (claimed.id, str(claimed.token)), family_hint="no_such_family"
+    )
+    assert result.outcome is Outcome.DELIVERED
+    assert effects.rows(cmd) == [row_id]
+
+
+# -- broker messages that are not ours ----------------------------------------------------------
+
+UNPICKLED: list[str] = []
+
+
+def _mark_unpickled(tag: str) -> str:
+    UNPICKLED.append(tag)
+    return tag
+
+
+class Trap:
+    """Unpickling this object calls _mark_unpickled: a worker that unpickles leaves a mark."""
+
+    def __reduce__(self) -> tuple[Callable[[str], str], tuple[str]]:
+        return _mark_unpickled, ("unpickled!",)
+
+
+@pytest.fixture
+def queue_keys(key_prefix: str, redis_url: str) -> Iterator[Callable[[str], int]]:
+    client = redis.Redis.from_url(redis_url)
+
+    def length(queue: str) -> int:
+        return int(client.llen(f"{key_prefix}{queue}"))
+
+    yield length
+    client.close()
+
+
+def test_foreign_broker_messages_are_refused_and_the_worker_keeps_delivering(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    effects: Effects,
+    database_url: str,
+    worker: object,
+    queue_keys: Callable[[str], int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cmd = commands()
+    row_id = _enqueue(dispatcher, database_url, cmd, {"n": 1})
+    task = dispatcher.app.tasks[DELIVER_TASK]
+    app = dispatcher.app
+    assert pickle.loads(pickle.dumps(Trap())) == "unpickled!"  # noqa: S301 (the trap works)
+    UNPICKLED.clear()
+    with caplog.at_level(logging.WARNING):
+        # a delivery task serialized with pickle: the worker must refuse to decode it
+        task.apply_async((Trap(), str(uuid.uuid4())), queue="outbox.intent", serializer="pickle")
+        # a raw body that is not a Celery task at all
+        with app.producer_or_acquire() as producer:
+            producer.publish(
+                {"drop": "table"}, exchange="", routing_key="outbox.intent", serializer="json"
+            )
+        # a task name no one registered
+        app.send_task("outbox.nope", args=[row_id, str(uuid.uuid4())], queue="outbox.intent")
+        # and the real claim, published last
+        assert dispatcher.claim_and_publish().claimed == {"intent": 1}
+        deadline = time.monotonic() + 15
+        while count_rows(database_url, dispatcher.schema) or queue_keys("outbox.intent"):
+            assert time.monotonic() < deadline, "the worker stopped delivering"
+            time.sleep(0.05)
+        time.sleep(0.2)
+    assert UNPICKLED == []
+    assert effects.rows(cmd) == [row_id]
+    text = caplog.text
+    assert "Refusing to deserialize untrusted content of type pickle" in text
+    assert "outbox.nope" in text
+
+
+def test_json_is_the_only_content_any_side_of_the_app_accepts(dispatcher: Dispatcher) -> None:
+    """No pickle anywhere: tasks, results and events are JSON, and the package never imports
+    pickle (or its wrappers) itself."""
+    conf = dispatcher.app.conf
+    assert conf.accept_content == ["json"]
+    assert conf.result_accept_content == ["json"]
+    assert (conf.task_serializer, conf.result_serializer, conf.event_serializer) == (
+        "json",
+        "json",
+        "json",
+    )
+    package = Path(outbox_dispatch.__file__).parent
+    for source in package.rglob("*.py"):
+        code = source.read_text("utf-8")
+        for module in ("pickle", "cPickle", "dill", "shelve", "marshal"):
+            assert f"import {module}" not in code, f"{source} imports {module}"
