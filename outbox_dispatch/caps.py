@@ -83,7 +83,7 @@ class Caps:
             return int(self._scripts[name](keys=keys, args=args, client=client))
         except redis.RedisError as exc:
             raise CapsUnavailable(
-                f"cap {name} failed: Redis at {mask_dsn(self.redis_url)} answered {exc!r}; "
+                f"cap {name} failed: Redis at {mask_dsn(self.redis_url)} answered {_why(exc)}; "
                 "capped rows wait in Postgres until it is back"
             ) from exc
 
@@ -104,7 +104,7 @@ class Caps:
                 results = [int(r) for r in pipe.execute()]
         except redis.RedisError as exc:
             raise CapsUnavailable(
-                f"cap acquire failed: Redis at {mask_dsn(self.redis_url)} answered {exc!r}; "
+                f"cap acquire failed: Redis at {mask_dsn(self.redis_url)} answered {_why(exc)}; "
                 "capped rows wait in Postgres until it is back"
             ) from exc
         if any(r == -1 for r in results):
@@ -160,7 +160,9 @@ class Caps:
                     pipe.zrem(self.key(s.family, s.actor), str(s.token))
                 pipe.execute()
         except redis.RedisError as exc:
-            event(log, logging.WARNING, "cap_release_failed", f"{exc!r}; slots expire with lease")
+            event(
+                log, logging.WARNING, "cap_release_failed", f"{_why(exc)}; slots expire with lease"
+            )
 
     def take_freed(self, family: str) -> dict[str, int]:
         """Actors whose slots freed since the last claim, with how many."""
@@ -183,7 +185,7 @@ class Caps:
         try:
             return list(self._scripts[name](keys=keys, args=[], client=client))
         except redis.RedisError as exc:
-            raise CapsUnavailable(f"cap {name} failed: {exc!r}") from exc
+            raise CapsUnavailable(f"cap {name} failed: {_why(exc)}") from exc
 
     def _run_id(self) -> str:
         info = self.client.info("server")
@@ -202,13 +204,13 @@ class Caps:
             if written_by != current:
                 self.client.delete(self.sentinel)
         except redis.RedisError as exc:
-            raise CapsUnavailable(f"Redis at {mask_dsn(self.redis_url)}: {exc!r}") from exc
+            raise CapsUnavailable(f"Redis at {mask_dsn(self.redis_url)}: {_why(exc)}") from exc
 
     def complete(self) -> bool:
         try:
             return bool(self.client.exists(self.sentinel))
         except redis.RedisError as exc:
-            raise CapsUnavailable(f"Redis at {mask_dsn(self.redis_url)}: {exc!r}") from exc
+            raise CapsUnavailable(f"Redis at {mask_dsn(self.redis_url)}: {_why(exc)}") from exc
 
     def restore(self, holders: Sequence[tuple[str, str, uuid.UUID, int]]) -> None:
         """Put back (family, actor, token, remaining ms) holders, then mark the set complete."""
@@ -222,7 +224,7 @@ class Caps:
                 pipe.set(self.sentinel, self._run_id())
                 pipe.execute()
         except redis.RedisError as exc:
-            raise CapsUnavailable(f"cap rebuild failed: {exc!r}") from exc
+            raise CapsUnavailable(f"cap rebuild failed: {_why(exc)}") from exc
 
     def holders(self, family: str, actor: str) -> list[str]:
         """Live holder tokens (for status and tests)."""
@@ -235,3 +237,8 @@ class Caps:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _why(exc: BaseException) -> str:
+    """The error's class and text, password masked: redis-py's repr names only the class."""
+    return f"{type(exc).__name__}: {mask_dsn(str(exc))}"

@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except OutboxError as exc:
-        print(f"outbox-dispatch: error: {exc}", file=sys.stderr)
+        print(f"outbox-dispatch: error: {mask_dsn(str(exc))}", file=sys.stderr)
         return 2
 
 

@@ -71,14 +71,19 @@ def due_ticks(
     """Ticks in (last_tick, now] to write, by the catch-up policy. Pure: times in, times out.
 
     Ticks are computed in the schedule's time zone (so '0 9 * * *' in Europe/Paris follows
-    daylight saving time) and returned as aware datetimes.
+    daylight saving time) and returned as aware datetimes. When the clock goes back, a schedule
+    with fixed hours runs once in the repeated hour, as cron does; one with a wildcard hour
+    runs in both.
     """
     zone = ZoneInfo(tz)
+    once = _fixed_hours(expr)
     if catch_up is CatchUp.LATEST:
         # the latest tick at or before now; croniter's get_prev excludes now itself
         latest: datetime = croniter(
             expr, (now + timedelta(microseconds=1)).astimezone(zone)
         ).get_prev(datetime)
+        if once and latest.fold:  # the repeat of a wall-clock time: its first run is the tick
+            latest = latest.replace(fold=0)
         return [latest] if latest > last_tick else []
     start = max(last_tick, now - window)  # older ticks are outside the window anyway
     it = croniter(expr, start.astimezone(zone))
@@ -87,6 +92,12 @@ def due_ticks(
         tick: datetime = it.get_next(datetime)
         if tick > now:
             break
-        if tick > last_tick:
+        if tick > last_tick and not (once and tick.fold):
             ticks.append(tick)
     return ticks[-MAX_TICKS:]  # when more are missed, the newest are the ones to keep
+
+
+def _fixed_hours(expr: str) -> bool:
+    """Whether the hour field names hours (``2``, ``1-3``, ``9,17``) rather than every hour."""
+    fields = expr.split()
+    return len(fields) >= 5 and "*" not in fields[1]

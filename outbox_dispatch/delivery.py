@@ -18,7 +18,7 @@ from .caps import Caps, CapsUnavailable
 from .errors import PermanentFailure
 from .handlers import Context, HandlerFn, Registration, Registry
 from .heartbeat import Heartbeats, Running
-from .logs import event
+from .logs import event, mask_dsn
 from .policy import Family, Verdict, decide_failure
 from .store import Conn, Started, Store
 
@@ -80,7 +80,7 @@ class _Cancelled(Exception):
 
 def describe_error(exc: BaseException) -> str:
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return text[:MAX_ERROR_LENGTH]
+    return mask_dsn(text)[:MAX_ERROR_LENGTH]  # a handler's own DB error may quote its URL
 
 
 class Delivery:

@@ -19,7 +19,7 @@ from .cron import CatchUp, Schedule
 from .delivery import Delivery, Outcome, Result
 from .errors import ConfigurationError, DrainLoop, DrainTimeout, InvalidArgument, UnknownFamily
 from .handlers import HandlerFn, Registration, Registry
-from .logs import event
+from .logs import event, mask_dsn
 from .migrations import migrate
 from .naming import family_name, identifier
 from .policy import Backoff, Family, LostAttempt, builtin_families
@@ -84,6 +84,7 @@ class Dispatcher:
     ) -> None:
         if not database_url:
             raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
+        _check_database_url(database_url)
         if claim_interval <= 0:
             raise ConfigurationError("claim_interval must be > 0 seconds")
         if claim_batch < 1:
@@ -168,6 +169,7 @@ class Dispatcher:
         parked_blocks: bool = True,
         batch: int = 1,
         time_limit: float | timedelta | None = None,
+        max_lost: int = 5,
     ) -> Family:
         """Declare a family (its own queue ``<prefix>.<name>``) or replace a family's policy.
 
@@ -199,6 +201,7 @@ class Dispatcher:
             parked_blocks=parked_blocks,
             batch=batch,
             time_limit=limit,
+            max_lost=max_lost,
         )
         if (fam.ordered or fam.batch > 1) and self.registry.capped_commands(name):
             raise ConfigurationError(
@@ -612,6 +615,20 @@ class Dispatcher:
         self.store.close()
         if self.caps is not None:
             self.caps.close()
+
+
+def _check_database_url(url: str) -> None:
+    """A URL libpq cannot parse is refused here, masked, rather than first reported by the
+    pool's background thread, whose warning would quote it, password included."""
+    import psycopg
+
+    try:
+        psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.Error as exc:
+        raise ConfigurationError(
+            f"database_url {mask_dsn(url)!r} is not a valid PostgreSQL URL or DSN: "
+            f"{mask_dsn(str(exc))}"
+        ) from exc
 
 
 def _check_conn(conn: object) -> Conn:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 
+from .errors import DatabaseError
+from .logs import mask_dsn
 from .naming import quoted
 from .sqlfiles import migration_sql, migrations
 
@@ -31,14 +35,27 @@ def applied_versions(conn: psycopg.Connection[Any], schema: str) -> set[int]:
     return {int(r[0]) for r in rows}
 
 
+@contextlib.contextmanager
+def _masked(action: str) -> Iterator[None]:
+    """Driver errors as ours, password masked (libpq quotes a URL it cannot parse)."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise DatabaseError(f"{action} failed: {mask_dsn(str(exc))}") from exc
+
+
 def migrate(database_url: str, schema: str) -> list[int]:
     """Apply pending migrations; return the versions applied (empty when up to date)."""
     target = quoted(schema)
     applied_now: list[int] = []
-    with psycopg.connect(database_url, autocommit=True) as conn:
+    with _masked("migrate"), psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(_LOCK_SQL)
         try:
-            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {target}")
+            # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema
+            # exists: a migrate role that only owns its schema must not need it
+            found = conn.execute("SELECT to_regnamespace(%s)", (target,)).fetchone()
+            if found is None or found[0] is None:
+                conn.execute(f"CREATE SCHEMA {target}")
             conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {target}.outbox_migrations ("
                 " version integer PRIMARY KEY, name text NOT NULL,"

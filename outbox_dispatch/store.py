@@ -23,6 +23,7 @@ from psycopg_pool import ConnectionPool
 
 from .cron import Schedule, due_ticks
 from .errors import DatabaseError, SchemaNotReady
+from .logs import MaskDsnFilter, mask_dsn
 from .policy import Candidate, Family, LostAttempt, claim_limit
 from .sqlfiles import queries_for
 from .validation import PreparedRow
@@ -91,6 +92,17 @@ class FamilyStatus:
     actors_at_cap: int = 0
 
 
+_POOL_FILTER = MaskDsnFilter()
+
+
+def _mask_pool_logs() -> None:
+    """psycopg_pool logs connection failures with the driver's message, which can quote the
+    URL (and its password) it could not parse."""
+    pool_log = logging.getLogger("psycopg.pool")
+    if _POOL_FILTER not in pool_log.filters:
+        pool_log.addFilter(_POOL_FILTER)
+
+
 @contextmanager
 def translated(action: str) -> Iterator[None]:
     """Turn driver errors into ours, keeping the cause for the traceback."""
@@ -98,11 +110,11 @@ def translated(action: str) -> Iterator[None]:
         yield
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaNotReady(
-            f"{action}: outbox table not found ({exc.diag.message_primary}): "
+            f"{action}: outbox table not found ({mask_dsn(str(exc.diag.message_primary))}): "
             "run `outbox-dispatch migrate`"
         ) from exc
     except psycopg.Error as exc:
-        raise DatabaseError(f"{action} failed: {exc}") from exc
+        raise DatabaseError(f"{action} failed: {mask_dsn(str(exc))}") from exc
 
 
 class Store:
@@ -122,6 +134,7 @@ class Store:
     # -- connections -------------------------------------------------------------------------
 
     def _get_pool(self) -> ConnectionPool:
+        _mask_pool_logs()
         pid = os.getpid()
         if self._pool is None or self._pid != pid:
             with self._lock:

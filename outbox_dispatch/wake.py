@@ -63,7 +63,8 @@ class WakeListener:
                     log,
                     logging.WARNING,
                     "wake_listener_down",
-                    f"listener lost Postgres at {mask_dsn(self.database_url)} ({exc}); "
+                    f"listener lost Postgres at {mask_dsn(self.database_url)} "
+                    f"({mask_dsn(str(exc))}); "
                     "beat's claim entry keeps rows moving, retrying in 1 s",
                 )
                 self._stop.wait(1.0)

@@ -9,6 +9,7 @@ import psycopg
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from .....dispatcher import Dispatcher
+from .....errors import OutboxError
 from .....logs import mask_dsn
 from .....migrations import applied_versions
 from .....sqlfiles import Migration, migrations
@@ -46,9 +47,9 @@ class Command(BaseCommand):  # type: ignore[misc]
                 self._say(f"outbox {where} is up to date")
                 return
             applied = set(dispatcher.migrate())
-        except psycopg.Error as exc:
+        except (psycopg.Error, OutboxError) as exc:
             doing = "check" if options["check"] else "migrate"
-            raise CommandError(f"cannot {doing} the outbox {where}: {exc}") from exc
+            raise CommandError(f"cannot {doing} the outbox {where}: {mask_dsn(str(exc))}") from exc
         if not applied:
             self._say(f"outbox {where} is up to date")
             return
