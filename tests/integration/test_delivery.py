@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_dispatch import Context, Dispatcher, Outcome, PermanentFailure
+from outbox_dispatch import Backoff, Context, Dispatcher, Outcome, PermanentFailure
 from outbox_dispatch.cli import main as cli_main
 from tests.conftest import count_rows
 
@@ -57,7 +57,9 @@ def test_backoff_then_parked_with_error_then_retry_delivers(
         if fail["on"]:
             raise ConnectionError(f"provider down (attempt {ctx.attempt})")
 
-    cmd = commands(family="quick", fn=flaky)  # quick: max_attempts=3, backoff 0.05-0.1 s
+    # 3 attempts; a backoff long enough that a slow machine's drain never reaches the retry
+    dispatcher.family("steady", max_attempts=3, lease=5, backoff=Backoff(0.5, 0.5, 0.0))
+    cmd = commands(family="steady", fn=flaky)
     row_id = _enqueue(dispatcher, database_url, cmd)
 
     first = dispatcher.drain(timeout=5)
@@ -71,7 +73,7 @@ def test_backoff_then_parked_with_error_then_retry_delivers(
         wait = conn.execute(
             f'SELECT extract(epoch FROM due_at - now()) FROM "{dispatcher.schema}".outbox'
         ).fetchone()
-    assert wait is not None and 0 < float(wait[0]) <= 0.1
+    assert wait is not None and 0 < float(wait[0]) <= 0.5
 
     _drain_until_settled(dispatcher, row_id, database_url)
     row = _row(database_url, dispatcher.schema, row_id)
