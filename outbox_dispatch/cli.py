@@ -59,15 +59,33 @@ def _emit(args: argparse.Namespace, data: Any, rendered: str) -> None:
         print(rendered)
 
 
-def cmd_migrate(args: argparse.Namespace) -> int:
+def _database(args: argparse.Namespace) -> tuple[str, str]:
+    """The database URL and schema: from the app, else from options or the environment."""
     if args.app or os.environ.get("OUTBOX_DISPATCH_APP"):
         dispatcher, _ = load_dispatcher(args.app)
-        url, schema = dispatcher.database_url, dispatcher.schema
-    else:
-        url = args.database_url or os.environ.get(DB_ENV, "")
-        schema = args.schema or os.environ.get(SCHEMA_ENV, "outbox")
-        if not url:
-            raise OutboxError(f"migrate needs --app, or --database-url / {DB_ENV}")
+        return dispatcher.database_url, dispatcher.schema
+    url = args.database_url or os.environ.get(DB_ENV, "")
+    schema = args.schema or os.environ.get(SCHEMA_ENV, "outbox")
+    if not url:
+        raise OutboxError(f"{args.command} needs --app, or --database-url / {DB_ENV}")
+    return url, schema
+
+
+def cmd_roles(args: argparse.Namespace) -> int:
+    """Print (or apply, as an administrator) the least-privilege layout: a migrate role that
+    owns the schema, a runtime role that reads and writes rows and can change nothing."""
+    from .roles import apply_roles, role_sql
+
+    url, schema = _database(args)
+    roles = {"migrate_role": args.migrate_role, "runtime_role": args.runtime_role}
+    statements = apply_roles(url, schema, **roles) if args.apply else role_sql(schema, **roles)
+    data = {"schema": schema, "statements": statements, "applied": args.apply}
+    _emit(args, data, ";\n".join(statements) + ";")
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    url, schema = _database(args)
     applied = migrate(url, schema)
     data = {"schema": schema, "applied": applied}
     text = (
@@ -213,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--database-url", help=f"without --app (or env {DB_ENV})")
     p.add_argument("--schema", help=f"without --app (or env {SCHEMA_ENV}; default outbox)")
     p.set_defaults(fn=cmd_migrate)
+
+    p = sub.add_parser(
+        "roles", help="least-privilege roles: print the SQL, or --apply it as an administrator"
+    )
+    p.add_argument("--migrate-role", required=True, help="owns the schema, runs migrate")
+    p.add_argument("--runtime-role", required=True, help="producers, workers and beat")
+    p.add_argument("--apply", action="store_true", help="run it (both roles must exist)")
+    p.add_argument("--database-url", help=f"without --app (or env {DB_ENV})")
+    p.add_argument("--schema", help=f"without --app (or env {SCHEMA_ENV}; default outbox)")
+    p.set_defaults(fn=cmd_roles)
 
     p = sub.add_parser("status", help="per family: due, scheduled, in flight, parked, oldest due")
     p.set_defaults(fn=cmd_status)

@@ -4,6 +4,7 @@ prune, the NOTIFY listener) and cannot change the schema."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -249,3 +250,23 @@ def test_apply_roles_names_the_roles_that_do_not_exist(database_url: str) -> Non
         apply_roles(database_url, "od_never", migrate_role="postgres", runtime_role=missing)
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT to_regnamespace('od_never')").fetchone() == (None,)
+
+
+def test_cli_prints_the_layout_and_applies_it(
+    layout: tuple[str, str, str], database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from outbox_dispatch.cli import main
+
+    mig, run, schema = layout
+    base = ["--json", "roles", "--migrate-role", mig, "--runtime-role", run]
+    base += ["--database-url", database_url, "--schema", schema]
+    assert main(base) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["statements"] == role_sql(schema, migrate_role=mig, runtime_role=run)
+    assert printed["applied"] is False
+    with psycopg.connect(database_url) as conn:  # printing changed nothing
+        assert conn.execute("SELECT to_regnamespace(%s)", (schema,)).fetchone() == (None,)
+    assert main([*base, "--apply"]) == 0
+    assert json.loads(capsys.readouterr().out)["applied"] is True
+    assert migrate(as_role(database_url, mig), schema)[-1] == latest_version()
+    assert _owners(database_url, schema) == {mig}
