@@ -213,9 +213,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.run import run_bench
+    from .bench.run import main as bench_main
 
-    return run_bench(rows=args.rows, concurrency=args.concurrency, out=args.out, pool=args.pool)
+    return bench_main([*args.bench_args, *(["--json"] if args.json else [])])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,11 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("bench", help="outbox throughput against plain Celery delay()")
-    p.add_argument("--rows", type=int, default=5000)
-    p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--pool", default="prefork", choices=["prefork", "threads"])
-    p.add_argument("--out", default="bench-results")
+    p = sub.add_parser(
+        "bench",
+        help="throughput, latency, RSS and backpressure against plain Celery and peers",
+        add_help=False,
+        prefix_chars="+",  # every option, --help included, goes to the bench runner
+    )
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)
     return parser
 

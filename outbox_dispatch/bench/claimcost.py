@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import psycopg
 
+from outbox_dispatch.bench.procs import say
 from outbox_dispatch.migrations import migrate
 from outbox_dispatch.naming import quoted
 from outbox_dispatch.policy import Family
@@ -58,9 +59,9 @@ def claim_cost(database_url: str, schema: str, stored: int = 1_000_000) -> list[
             )
             conn.execute(f"ANALYZE {table}")
             out.append(ClaimCost(0, round(_time_claims(store, conn, table), 2)))
-            print(f"  claim of {DUE} due rows, nothing else stored: {out[-1].median_ms} ms")
+            say(f"  claim of {DUE} due rows, nothing else stored: {out[-1].median_ms} ms")
             third = stored // 3
-            print(f"  storing {stored:,} rows that are not due (future, parked, retained)...")
+            say(f"  storing {stored:,} rows that are not due (future, parked, retained)...")
             conn.execute(
                 f"INSERT INTO {table} (family, command, payload, due_at) "
                 f"SELECT 'bench', 'future', '{{}}', now() + interval '1 day'"
@@ -78,7 +79,7 @@ def claim_cost(database_url: str, schema: str, stored: int = 1_000_000) -> list[
             )
             conn.execute(f"ANALYZE {table}")
             out.append(ClaimCost(stored, round(_time_claims(store, conn, table), 2)))
-            print(f"  claim of {DUE} due rows next to {stored:,} others: {out[-1].median_ms} ms")
+            say(f"  claim of {DUE} due rows next to {stored:,} others: {out[-1].median_ms} ms")
     finally:
         store.close()
         with psycopg.connect(database_url, autocommit=True) as conn:
