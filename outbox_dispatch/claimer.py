@@ -23,7 +23,7 @@ from typing import Any
 from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .logs import event
-from .policy import Candidate, Family, plan_capped_claim
+from .policy import Candidate, Family, broker_room, plan_capped_claim
 from .store import CappedDecision, Claimed, ClaimResult, Store
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class Claimer:
         caps: Caps | None = None,
         cap_of: CapOf = lambda family, command: family.per_actor,
         is_capped: Callable[[Family], bool] = lambda family: family.per_actor is not None,
+        queued: Callable[[Family], int] = lambda family: 0,
     ) -> None:
         self.store = store
         self.families = families
@@ -61,6 +62,7 @@ class Claimer:
         self.caps = caps
         self.cap_of = cap_of
         self.is_capped = is_capped
+        self.queued = queued
         self._passes = 0
 
     def claim_family(self, family: Family, *, batch: int | None = None) -> ClaimResult:
@@ -188,8 +190,18 @@ class Claimer:
             report.rounds += 1
             full: list[Family] = []
             for family in pending:
+                room = broker_room(family.max_in_flight, self.queued(family), family.batch)
+                if room == 0:
+                    event(
+                        log,
+                        logging.DEBUG,
+                        "queue_full",
+                        "the family's broker queue holds max_in_flight rows: not claiming",
+                        family=family.name,
+                    )
+                    continue
                 try:
-                    result = self.claim_family(family)
+                    result = self.claim_family(family, batch=min(self.batch, room))
                 except CapsUnavailable as exc:
                     event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
                     continue

@@ -109,6 +109,7 @@ class Dispatcher:
             caps=self.caps,
             cap_of=self.cap_of,
             is_capped=self.is_capped,
+            queued=self._queued,
         )
         self.delivery = Delivery(
             self.store,
@@ -290,6 +291,20 @@ class Dispatcher:
                     with contextlib.suppress(Exception):
                         channel.close()
         return out
+
+    def _queued(self, family: Family) -> int:
+        """Messages waiting in the family's queue, for the claimer's broker room; 0 when the
+        broker cannot say (then only the Postgres in-flight count limits the claim)."""
+        try:
+            with self.app.pool.acquire(block=True, timeout=2) as conn:
+                channel = conn.default_channel
+                size = getattr(channel, "_size", None)  # Redis: every priority list, one trip
+                if size is None:
+                    return 0
+                return int(size(self.queue_name(family.name)))
+        except Exception as exc:
+            event(log, logging.DEBUG, "queue_size_failed", repr(exc), family=family.name)
+            return 0
 
     def declare(self, command: str, *, family: str = "intent") -> None:
         """Let a producer enqueue ``command`` without running it (its handler lives elsewhere)."""

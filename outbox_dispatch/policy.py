@@ -165,6 +165,13 @@ def claim_limit(batch: int, max_in_flight: int, in_flight: int) -> int:
     return max(0, min(batch, max_in_flight - in_flight))
 
 
+def broker_room(max_in_flight: int, queued_messages: int, rows_per_message: int) -> int:
+    """Rows a claim may add to the family's broker queue. Messages that waited past their
+    lease are stale but still queued; counting only live leases, a claimer would re-claim and
+    republish their rows again and again while the queue grew without bound."""
+    return max(0, max_in_flight - queued_messages * rows_per_message)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A due row of a capped family, as the capped claim sees it (rank 1 = actor's oldest)."""

@@ -190,3 +190,25 @@ def test_failed_attempt_marks_its_span_in_error(
     for s in failed:
         assert s.status.status_code == trace.StatusCode.ERROR
         assert "503" in (s.status.description or "")
+
+
+def test_stale_messages_waiting_in_the_queue_are_not_multiplied(
+    database_url: str, redis_url: str, schema: str, key_prefix: str, conn: psycopg.Connection[Any]
+) -> None:
+    """No worker consumes: leases run out while the messages wait. A claimer counting only live
+    leases would re-claim and republish the rows each pass, without bound; the broker's queue
+    length caps what it adds."""
+    app = Celery("backlog", broker=redis_url, set_as_current=False)
+    app.conf.broker_transport_options = {"global_keyprefix": key_prefix}
+    d = Dispatcher(app, database_url=database_url, schema=schema, queue_prefix="blog", listen=False)
+    d.family("hooks", max_in_flight=10, lease=1)
+    d.declare("b.hook", family="hooks")
+    try:
+        with conn.transaction():
+            d.enqueue_many(conn, [Message("b.hook", {"n": i}) for i in range(50)])
+        assert d.claim_and_publish(["hooks"]).total == 10
+        time.sleep(1.2)  # every lease ran out; the 10 messages are still queued
+        assert d.claim_and_publish(["hooks"]).total == 0
+        assert d.queue_lengths()["hooks"] == 10
+    finally:
+        d.close()

@@ -112,3 +112,12 @@ def test_time_limits_go_on_the_message_with_a_hard_limit_past_the_soft_one() -> 
     assert (short["soft_time_limit"], short["time_limit"]) == (2, 3)
     batch = batch_options(Family("limited", time_limit=2, batch=5), [row, row], "q")
     assert (batch["soft_time_limit"], batch["time_limit"]) == (4, 6)
+
+
+def test_broker_room_counts_queued_messages_as_rows() -> None:
+    from outbox_dispatch.policy import broker_room
+
+    assert broker_room(100, 0, 1) == 100
+    assert broker_room(100, 40, 1) == 60
+    assert broker_room(100, 3, 50) == 0  # three batched messages of 50 rows fill it
+    assert broker_room(100, 500, 1) == 0  # never negative
