@@ -47,17 +47,21 @@ class Publisher:
                 pairs = [[r.id, str(r.token)] for r in chunk]
                 messages.append(((pairs,), batch_options(family, chunk, queue)))
         with self.app.producer_or_acquire() as producer, _batched(producer):
-            if self._needs_celery_path():
+            if self._needs_celery_path(queue):
                 for args, options in messages:
                     self.task.apply_async(args, producer=producer, **options)
             else:
                 self._send(producer, queue, messages)
 
-    def _needs_celery_path(self) -> bool:
+    def _needs_celery_path(self, queue: str) -> bool:
+        """Publish signals have listeners, sent events are on, or the user routed our queue
+        through an exchange that is not direct: Celery's own path then, not the template."""
+        exchange = getattr(self.app.amqp.queues.get(queue), "exchange", None)
         return bool(
             signals.before_task_publish.receivers
             or signals.after_task_publish.receivers
             or self.app.conf.task_send_sent_event
+            or getattr(exchange, "type", "direct") != "direct"
         )
 
     def _send(self, producer: Any, queue_name: str, messages: Outgoing) -> None:

@@ -81,10 +81,11 @@ def test_publish_signal_listeners_get_celerys_own_path(dispatcher: Dispatcher) -
         seen.append(kw["headers"]["shadow"])
 
     publisher = Publisher(dispatcher.app, dispatcher._deliver_task)
-    assert not publisher._needs_celery_path()
+    queue = dispatcher.queue_name("intent")
+    assert not publisher._needs_celery_path(queue)
     signals.before_task_publish.connect(listener, weak=False)
     try:
-        assert publisher._needs_celery_path()
+        assert publisher._needs_celery_path(queue)
         row = Claimed(1, uuid.uuid4(), "email.send", None, 1)
         publisher.publish(dispatcher.families["intent"], [row], dispatcher.queue_name("intent"))
     finally:
