@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+QUEUE_SIZE_TTL = 0.25  # seconds a family's broker queue size is reused by the claimer
+
 
 @dataclass(frozen=True)
 class CancelResult:
@@ -126,6 +128,7 @@ class Dispatcher:
             app, self._deliver_from_queue, self.claim_and_publish
         )
         self.publisher = Publisher(app, self._deliver_task)
+        self._queue_sizes: dict[str, tuple[int, float]] = {}
         wiring.add_beat_entry(app, claim_interval, self.claim_queue)
         self.prune_batch = prune_batch
         wiring.register_periodic(app, wiring.PRUNE_TASK, self.prune)
@@ -294,7 +297,17 @@ class Dispatcher:
 
     def _queued(self, family: Family) -> int:
         """Messages waiting in the family's queue, for the claimer's broker room; 0 when the
-        broker cannot say (then only the Postgres in-flight count limits the claim)."""
+        broker cannot say (then only the Postgres in-flight count limits the claim). Read at
+        most every QUEUE_SIZE_TTL seconds: a burst of claims costs one broker round trip."""
+        cached = self._queue_sizes.get(family.name)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < QUEUE_SIZE_TTL:
+            return cached[0]
+        size = self._read_queue_size(family)
+        self._queue_sizes[family.name] = (size, now)
+        return size
+
+    def _read_queue_size(self, family: Family) -> int:
         try:
             with self.app.pool.acquire(block=True, timeout=2) as conn:
                 channel = conn.default_channel

@@ -296,8 +296,12 @@ class Store:
     def _claim_limit(self, conn: Conn, family: Family, batch: int) -> int:
         """Take the family's claim lock (held to commit: in-flight counts cannot race) and
         return how many rows this claim may lease."""
-        conn.execute(self.q["lock_family"], {"lock_name": f"{self.schema}.claim.{family.name}"})
-        row = conn.execute(self.q["in_flight"], {"family": family.name}).fetchone()
+        # one round trip: the server runs the two in order, so the count is taken under the lock
+        with conn.pipeline():
+            lock = f"{self.schema}.claim.{family.name}"
+            conn.execute(self.q["lock_family"], {"lock_name": lock})
+            cur = conn.execute(self.q["in_flight"], {"family": family.name})
+        row = cur.fetchone()
         return claim_limit(batch, family.max_in_flight, int(row[0]) if row else 0)
 
     def rebuild_caps(

@@ -3,8 +3,9 @@ listener in one worker process claims at once, so the beat interval is not the l
 beat entry stays as the safety net).
 
 One listener per schema across all workers: the first takes a session advisory lock, the
-others wait to take over if it dies. Notifications that arrive within ``coalesce`` seconds
-are served by one claim pass, so a burst of commits is not a burst of claims.
+others wait to take over if it dies. The listener claims serially: notifications that arrive
+while a claim pass runs (or within ``coalesce`` seconds of the first) are served by one pass,
+so a burst of commits is not a burst of claims, and a lone commit waits for nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class WakeListener:
         channel: str,
         claim: Callable[[list[str]], Any],
         *,
-        coalesce: float = 0.002,
+        coalesce: float = 0.0,
         standby_retry: float = 5.0,
     ) -> None:
         self.database_url = database_url
