@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -219,9 +218,9 @@ def prepare_multiprocess_dir(path: str | None = None) -> Path:
     """Point this process and its children at an empty multiprocess directory (stale files of a
     previous run would add old counts to the new one)."""
     chosen = Path(path or os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="outbox-prom-"))
-    if chosen.exists():
-        shutil.rmtree(chosen)
-    chosen.mkdir(parents=True)
+    chosen.mkdir(parents=True, exist_ok=True)
+    for stale in chosen.glob("*.db"):  # prometheus_client's files only, nothing else in it
+        stale.unlink()
     os.environ[MULTIPROC_ENV] = str(chosen)
     return chosen
 
