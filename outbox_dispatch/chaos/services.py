@@ -1,0 +1,349 @@
+"""A private Postgres cluster and Redis for one chaos run, on free ports, that the run may
+kill -9 and restart. The machine's shared Postgres and Redis are never touched.
+
+Postgres: ``initdb`` into a fresh directory with trust auth. initdb and postgres refuse to run
+as root, so as root both run as the ``postgres`` OS user (``Popen(user=...)``, no PAM session
+in between, so the postmaster is our direct child), in a directory that user owns. A restart
+kills the postmaster and every backend at once (their process group) and starts again: crash
+recovery, as after a power cut of the database alone. ``fsync=off``: a killed process loses
+nothing the kernel already has, and the run never crashes the kernel, so this costs no
+durability here and spares a shared 2-core machine the flushes.
+
+Redis: ``--save "" --appendonly no``, so a restart loses every key: broker queues, unacked
+messages, cap semaphores and their sentinel.
+
+Children are wrapped in ``setpriv --pdeathsig KILL`` when it exists, so they die with the
+orchestrator even if it is killed -9 (postgres backends follow their postmaster).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import psycopg
+import redis
+
+from outbox_dispatch.logs import event
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(RuntimeError):
+    """A private service could not be set up: the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    postgres: str
+    initdb: str
+    redis: str
+
+
+def find_binaries() -> Binaries:
+    """The newest installed PostgreSQL server and redis-server (``CHAOS_PG_BINDIR`` overrides
+    the Postgres directory)."""
+    bindir = os.environ.get("CHAOS_PG_BINDIR")
+    candidates = [bindir] if bindir else []
+    candidates += sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda p: int(p.split("/")[-2]) if p.split("/")[-2].isdigit() else 0,
+        reverse=True,
+    )
+    found = shutil.which("postgres")
+    if found:
+        candidates.append(str(Path(found).resolve().parent))
+    pg = next(
+        (
+            c
+            for c in candidates
+            if os.access(f"{c}/postgres", os.X_OK) and os.access(f"{c}/initdb", os.X_OK)
+        ),
+        None,
+    )
+    rs = shutil.which("redis-server")
+    missing = []
+    if pg is None:
+        missing.append("PostgreSQL server binaries (postgres, initdb; set CHAOS_PG_BINDIR)")
+    if rs is None:
+        missing.append("redis-server")
+    if missing:
+        raise ServiceError("the chaos run needs " + " and ".join(missing))
+    assert pg is not None
+    assert rs is not None
+    return Binaries(f"{pg}/postgres", f"{pg}/initdb", rs)
+
+
+def preflight() -> Binaries:
+    """Everything the private services need, checked before anything starts: the binaries,
+    and an OS user Postgres will run as."""
+    binaries = find_binaries()
+    _owner()
+    return binaries
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _owner() -> pwd.struct_passwd | None:
+    """The OS user Postgres runs as: ``postgres`` when we are root, else ourselves (None)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam("postgres")
+    except KeyError as exc:
+        raise ServiceError(
+            "running as root, and PostgreSQL refuses root: create a 'postgres' OS user "
+            "or run the chaos suite as a normal user"
+        ) from exc
+
+
+def _spawn(
+    args: list[str], logfile: Path, *, owner: pwd.struct_passwd | None = None, cwd: str = "/"
+) -> subprocess.Popen[bytes]:
+    setpriv = shutil.which("setpriv")
+    wrapped = [setpriv, "--pdeathsig", "KILL", "--", *args] if setpriv else args
+    user: dict[str, Any] = {}
+    if owner is not None:
+        user = {"user": owner.pw_uid, "group": owner.pw_gid, "extra_groups": []}
+    with logfile.open("ab") as out:
+        return subprocess.Popen(
+            wrapped,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=cwd,
+            **user,
+        )
+
+
+def _kill_group(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+class PrivatePostgres:
+    def __init__(self, binaries: Binaries, logdir: Path, port: int) -> None:
+        self.binaries = binaries
+        self.port = port
+        self.logfile = logdir / "postgres.log"
+        self.owner = _owner()
+        self.root = Path(tempfile.mkdtemp(prefix="chaos-pg-"))
+        self.data = self.root / "data"
+        self.proc: subprocess.Popen[bytes] | None = None
+        if self.owner is not None:
+            os.chown(self.root, self.owner.pw_uid, self.owner.pw_gid)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def init(self) -> None:
+        args = [
+            self.binaries.initdb,
+            "-D",
+            str(self.data),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ]
+        user: dict[str, Any] = {}
+        if self.owner is not None:
+            user = {"user": self.owner.pw_uid, "group": self.owner.pw_gid, "extra_groups": []}
+        done = subprocess.run(
+            args, capture_output=True, text=True, cwd=str(self.root), check=False, **user
+        )
+        if done.returncode != 0:
+            raise ServiceError(f"initdb failed ({done.returncode}): {done.stderr[-1500:]}")
+
+    def start(self, timeout: float = 60.0) -> None:
+        args = [
+            self.binaries.postgres,
+            "-D",
+            str(self.data),
+            "-p",
+            str(self.port),
+            "-k",
+            str(self.root),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "max_connections=400",
+            "-c",
+            "fsync=off",
+            "-c",
+            "shared_buffers=128MB",
+            "-c",
+            "log_min_messages=warning",
+        ]
+        self.proc = _spawn(args, self.logfile, owner=self.owner, cwd=str(self.root))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with psycopg.connect(self.url, connect_timeout=2) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError as exc:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise ServiceError(
+                        f"private Postgres did not start on port {self.port} ({exc}); its log "
+                        f"ends with: {_tail(self.logfile)}"
+                    ) from exc
+                time.sleep(0.1)
+
+    def kill(self) -> None:
+        """kill -9 the postmaster and every backend (they share its process group)."""
+        _kill_group(self.proc)
+        self.proc = None
+
+    def restart(self, down: float = 1.0) -> None:
+        self.kill()
+        time.sleep(down)
+        self.start()
+        event(log, logging.WARNING, "chaos_postgres_restarted", f"port {self.port}")
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class PrivateRedis:
+    def __init__(self, binary: str, logdir: Path, port: int) -> None:
+        self.binary = binary
+        self.port = port
+        self.logfile = logdir / "redis.log"
+        self.root = Path(tempfile.mkdtemp(prefix="chaos-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=3)
+
+    def start(self, timeout: float = 30.0) -> None:
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.root),
+            "--maxclients",
+            "4000",
+        ]
+        self.proc = _spawn(args, self.logfile, cwd=str(self.root))
+        deadline = time.monotonic() + timeout
+        client = self.client()
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.RedisError as exc:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise ServiceError(
+                            f"private Redis did not start on port {self.port} ({exc}): "
+                            f"{_tail(self.logfile)}"
+                        ) from exc
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        _kill_group(self.proc)
+        self.proc = None
+
+    def restart(self, down: float = 1.0) -> None:
+        """kill -9 and start empty on the same port: every key is gone."""
+        self.kill()
+        time.sleep(down)
+        self.start()
+        event(log, logging.WARNING, "chaos_redis_restarted", f"port {self.port}, data lost")
+
+    def cut_connections(self) -> int:
+        """Close every client connection (workers' broker and cap connections, pub/sub
+        included) except our own: what a network blip or a proxy restart does."""
+        client = self.client()
+        try:
+            n = 0
+            for kind in ("normal", "pubsub"):
+                n += int(client.client_kill_filter(_type=kind, skipme=True))
+            return n
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Services:
+    """Both private services, started on enter and killed (their data removed) on exit."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.binaries = find_binaries()
+        self.postgres = PrivatePostgres(self.binaries, logdir, free_port())
+        self.redis = PrivateRedis(self.binaries.redis, logdir, free_port())
+
+    def __enter__(self) -> Services:
+        try:
+            self.postgres.init()
+            self.postgres.start()
+            self.redis.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.redis.close()
+        self.postgres.close()
