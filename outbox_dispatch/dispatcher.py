@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -278,27 +277,11 @@ class Dispatcher:
 
     def queue_lengths(self) -> dict[str, int]:
         """Messages waiting in each family's broker queue (Flower does not show this)."""
-        out: dict[str, int] = {}
-        with self.app.connection_for_read() as conn:
-            for name in self.families:
-                channel = conn.channel()
-                queue = self.queue_name(name)
-                try:
-                    if hasattr(channel, "_size"):  # Redis: every priority list of the queue
-                        out[name] = int(channel._size(queue))
-                    else:
-                        out[name] = int(channel.queue_declare(queue, passive=True).message_count)
-                except Exception:  # never declared: no worker has consumed it yet
-                    out[name] = 0
-                finally:
-                    with contextlib.suppress(Exception):
-                        channel.close()
-        return out
+        return {name: self._read_queue_size(fam) for name, fam in self.families.items()}
 
     def _queued(self, family: Family) -> int:
-        """Messages waiting in the family's queue, for the claimer's broker room; 0 when the
-        broker cannot say (then only the Postgres in-flight count limits the claim). Read at
-        most every QUEUE_SIZE_TTL seconds: a burst of claims costs one broker round trip."""
+        """Messages waiting in the family's queue, for the claimer's broker room. Read at most
+        every QUEUE_SIZE_TTL seconds: a burst of claims costs one broker round trip."""
         cached = self._queue_sizes.get(family.name)
         now = time.monotonic()
         if cached is not None and now - cached[1] < QUEUE_SIZE_TTL:
@@ -308,13 +291,16 @@ class Dispatcher:
         return size
 
     def _read_queue_size(self, family: Family) -> int:
+        """0 when the broker cannot say (the queue was never declared, or the broker is down):
+        then only the Postgres in-flight count limits a claim."""
+        queue = self.queue_name(family.name)
         try:
             with self.app.pool.acquire(block=True, timeout=2) as conn:
                 channel = conn.default_channel
-                size = getattr(channel, "_size", None)  # Redis: every priority list, one trip
-                if size is None:
-                    return 0
-                return int(size(self.queue_name(family.name)))
+                if hasattr(channel, "_size"):  # Redis: every priority list, one round trip
+                    return int(channel._size(queue))
+                with conn.channel() as probe:  # AMQP closes a channel on a missing queue
+                    return int(probe.queue_declare(queue, passive=True).message_count)
         except Exception as exc:
             event(log, logging.DEBUG, "queue_size_failed", repr(exc), family=family.name)
             return 0
