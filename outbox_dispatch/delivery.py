@@ -146,6 +146,7 @@ class Delivery:
                 results.append(self._start_checked(s, family))
                 continue
             _ctx, running = self._context(s, family, reg.transactional)
+            running.deadline = None  # each row's time limit starts with its own handler
             self.heartbeats.add(running)
             entries.append((s, reg, running))
         done: list[Started] = []
@@ -155,6 +156,7 @@ class Delivery:
                 assert reg.fn is not None
                 metrics.started(s.family, s.waited)
                 t0 = time.perf_counter()
+                running.deadline = _deadline(family)
                 with tracing.delivery_span(s) as span:
                     span.set_attribute("outbox.batch", True)
                     result = self._run_in_batch(s, family, reg, running.ctx)
@@ -239,7 +241,7 @@ class Delivery:
             transactional=transactional,
             renew_slot=self._slot_renewer(started, family),
             next_at=time.monotonic() + family.lease / 3,
-            deadline=None if family.time_limit is None else time.monotonic() + family.time_limit,
+            deadline=_deadline(family),
         )
         return ctx, running
 
@@ -517,6 +519,13 @@ class Delivery:
             **_fields(started),
         )
         return Result(Outcome.LOST, started.id)
+
+
+def _deadline(family: Family) -> float | None:
+    """When the heartbeat stops renewing a handler's lease: at the hard limit, so a prefork
+    worker kills a handler that swallowed the soft limit before its row can be claimed again."""
+    hard = family.hard_time_limit()
+    return None if hard is None else time.monotonic() + hard
 
 
 def _fields(s: Started) -> dict[str, Any]:

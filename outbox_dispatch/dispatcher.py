@@ -276,26 +276,28 @@ class Dispatcher:
             event(log, logging.WARNING, "wake_failed", f"could not send a claim wake: {exc!r}")
 
     def queue_lengths(self) -> dict[str, int]:
-        """Messages waiting in each family's broker queue (Flower does not show this)."""
-        return {name: self._read_queue_size(fam) for name, fam in self.families.items()}
+        """Messages waiting in each family's broker queue (Flower does not show this); a family
+        whose queue the broker cannot report is left out."""
+        sizes = {name: self._read_queue_size(fam) for name, fam in self.families.items()}
+        return {name: n for name, n in sizes.items() if n is not None}
 
     def _queued(self, family: Family) -> int:
         """Messages waiting in the family's queue, for the claimer's broker room. Read at most
         every QUEUE_SIZE_TTL seconds: a burst of claims costs one broker round trip."""
         cached = self._queue_sizes.get(family.name)
-        now = time.monotonic()
-        if cached is not None and now - cached[1] < QUEUE_SIZE_TTL:
+        if cached is not None and time.monotonic() - cached[1] < QUEUE_SIZE_TTL:
             return cached[0]
-        size = self._read_queue_size(family)
-        self._queue_sizes[family.name] = (size, now)
+        size = self._read_queue_size(family) or 0  # unknown: Postgres alone limits the claim
+        self._queue_sizes[family.name] = (size, time.monotonic())  # failures are cached too
         return size
 
-    def _read_queue_size(self, family: Family) -> int:
-        """0 when the broker cannot say (the queue was never declared, or the broker is down):
-        then only the Postgres in-flight count limits a claim."""
+    def _read_queue_size(self, family: Family) -> int | None:
+        """None when the broker cannot say (down, or the queue never declared on AMQP); one
+        quick connection attempt, so an outage does not stall claims and scrapes."""
         queue = self.queue_name(family.name)
         try:
             with self.app.pool.acquire(block=True, timeout=2) as conn:
+                conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=1)
                 channel = conn.default_channel
                 if hasattr(channel, "_size"):  # Redis: every priority list, one round trip
                     return int(channel._size(queue))
@@ -303,7 +305,7 @@ class Dispatcher:
                     return int(probe.queue_declare(queue, passive=True).message_count)
         except Exception as exc:
             event(log, logging.DEBUG, "queue_size_failed", repr(exc), family=family.name)
-            return 0
+            return None
 
     def declare(self, command: str, *, family: str = "intent") -> None:
         """Let a producer enqueue ``command`` without running it (its handler lives elsewhere)."""

@@ -72,7 +72,7 @@ def _instruments() -> _Instruments:
         ),
         handler_seconds=Histogram(
             "outbox_handler_duration_seconds",
-            "Handler run time, settle included",
+            "Handler run time (for a one-row message, its settle included)",
             ["family", "command"],
             buckets=DURATION_BUCKETS,
         ),
@@ -244,8 +244,18 @@ def install_worker_server(app: Any, dispatcher: Dispatcher) -> None:
                 _check_multiprocess_storage()
 
         def start(self, parent: Any) -> None:
-            if self.port is not None:
+            if self.port is None:
+                return
+            try:
                 self.server = serve(dispatcher, self.port)
+            except OSError as exc:  # metrics never stop a worker: say so and run without
+                event(
+                    log,
+                    logging.ERROR,
+                    "metrics_not_serving",
+                    f"cannot serve metrics on port {self.port}: {exc}; is another worker on "
+                    "this host using it? give each worker its own OUTBOX_METRICS_PORT",
+                )
 
         def stop(self, parent: Any) -> None:
             if self.server is not None:

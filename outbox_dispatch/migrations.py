@@ -35,6 +35,27 @@ def applied_versions(conn: psycopg.Connection[Any], schema: str) -> set[int]:
     return {int(r[0]) for r in rows}
 
 
+def _protect_record(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Only the owner records migrations: default privileges (see roles.py) grant the runtime
+    role writes on every table of the schema, this one included, and are taken back here."""
+    conn.execute(
+        """DO $$
+DECLARE grantee text;
+BEGIN
+    FOR grantee IN
+        SELECT DISTINCT g.grantee FROM information_schema.role_table_grants g
+        JOIN pg_tables t ON t.schemaname = g.table_schema AND t.tablename = g.table_name
+        WHERE g.table_schema = %(schema)s AND g.table_name = 'outbox_migrations'
+          AND g.privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
+          AND g.grantee NOT IN (t.tableowner, 'PUBLIC')
+    LOOP
+        EXECUTE format('REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON %I.outbox_migrations FROM %I',
+                       %(schema)s, grantee);
+    END LOOP;
+END $$""".replace("%(schema)s", "'" + schema.replace("'", "''") + "'")
+    )
+
+
 @contextlib.contextmanager
 def _masked(action: str) -> Iterator[None]:
     """Driver errors as ours, password masked (libpq quotes a URL it cannot parse)."""
@@ -61,6 +82,7 @@ def migrate(database_url: str, schema: str) -> list[int]:
                 " version integer PRIMARY KEY, name text NOT NULL,"
                 " applied_at timestamptz NOT NULL DEFAULT now())"
             )
+            _protect_record(conn, schema)
             done = applied_versions(conn, schema)
             for migration in migrations():
                 if migration.version in done:

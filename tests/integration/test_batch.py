@@ -79,3 +79,23 @@ def test_a_worker_dying_mid_batch_marks_the_whole_batch_maybe_applied(
     dispatcher.drain(timeout=10)
     flags = [(c, a) for c, _, a, _ in effects.calls if c == cmd]
     assert flags == [(cmd, 2)] * 3
+
+
+def test_each_row_of_a_batch_gets_its_own_time_limit(
+    dispatcher: Dispatcher, commands: Callable[..., str], conn: psycopg.Connection[Any]
+) -> None:
+    """Eight 0.4 s handlers in one message of a family with a 1 s limit (2 s hard): each
+    row's limit starts with its own handler, so none is told to stop (with one deadline for
+    the whole batch, the later rows started already cancelled and lost their leases)."""
+    dispatcher.family("slowbatch", batch=8, lease=3, time_limit=1)
+    told: list[bool] = []
+
+    def slow(ctx: Context, payload: Any) -> None:
+        told.append(ctx.is_cancelled)
+        time.sleep(0.4)
+
+    name = commands(family="slowbatch", fn=slow)
+    with conn.transaction():
+        dispatcher.enqueue_many(conn, [Message(name, {"n": i}) for i in range(8)])
+    assert dispatcher.drain(timeout=20).delivered == 8
+    assert told == [False] * 8

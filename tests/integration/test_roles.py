@@ -121,6 +121,9 @@ def test_runtime_role_runs_every_runtime_path_and_cannot_change_the_schema(
                 conn.execute(
                     ddl.replace("S.", f"{quoted}.").replace("SCHEMA S", f"SCHEMA {quoted}")
                 )
+    with psycopg.connect(runtime_url, autocommit=True) as conn:  # only the owner records
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(f'DELETE FROM "{schema}".outbox_migrations')
     with pytest.raises(DatabaseError, match="permission denied") as info:
         migrate(runtime_url, schema)
     assert isinstance(info.value.__cause__, psycopg.errors.InsufficientPrivilege)
