@@ -5,7 +5,8 @@ and ``apply_async`` rebuilds the whole Celery message, route and retry policy fo
 (it was most of a worker's claim time). Here Celery builds one message per claim, which is the
 template; each row's message is a copy with its own task id, args and display fields, sent as
 pre-serialized JSON through one pipelined producer. The result is the message ``apply_async``
-would send (a test compares them field by field).
+would send from outside a task (a test compares them field by field); each delivery is its own
+root in Flower, not a child of the claim task that published it.
 
 Whoever listens to Celery's publish signals (tracing integrations, tests) or asked for
 task-sent events gets ``apply_async`` itself, so nothing they rely on is skipped.
@@ -98,6 +99,7 @@ class Publisher:
                 routing_key=queue_name,
                 content_type="application/json",
                 content_encoding="utf-8",
+                compression=conf.task_compression,
                 retry=conf.task_publish_retry,
                 retry_policy=conf.task_publish_retry_policy,
                 delivery_mode=delivery_mode,
