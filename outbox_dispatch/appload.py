@@ -25,7 +25,7 @@ def load_dispatcher(spec: str | None) -> tuple[Dispatcher, str]:
         sys.path.insert(0, os.getcwd())  # like celery -A: the current directory is importable
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # an import error, or the module failing as it loads
         raise ConfigurationError(
             f"cannot import {module_name!r} from --app {spec!r}: {exc}"
         ) from exc

@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_cancel)
 
     p = sub.add_parser("prune", help="delete settled rows past their family's retention")
-    p.add_argument("--batch", type=int, default=1000)
+    p.add_argument("--batch", type=int, help="rows per delete (default: the dispatcher's)")
     p.set_defaults(fn=cmd_prune)
 
     for name in ("worker", "beat"):
@@ -312,9 +312,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_WORKER_OPTIONS = ("--metrics-port", "--metrics-dir")
+
+
+def _metrics_options_first(argv: Sequence[str] | None) -> list[str]:
+    """``worker``'s own options may come anywhere among Celery's: move them right after
+    ``worker``, where argparse looks for them before passing the rest on."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "worker" not in args:
+        return args
+    at = args.index("worker") + 1
+    ours: list[str] = []
+    others: list[str] = []
+    i = at
+    while i < len(args):
+        if args[i].split("=", 1)[0] in _WORKER_OPTIONS:
+            width = 1 if "=" in args[i] else 2
+            ours += args[i : i + width]
+            i += width
+        else:
+            others.append(args[i])
+            i += 1
+    return args[:at] + ours + others
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_metrics_options_first(argv))
     if extra:
         if args.fn is not cmd_celery:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

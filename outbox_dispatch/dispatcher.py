@@ -657,7 +657,9 @@ def _check_conn(conn: object) -> Conn:
     module = type(conn).__module__
     if module.startswith("sqlalchemy"):
         return _from_sqlalchemy(conn)
-    if module.startswith("django."):
+    if module.startswith("django.") or (
+        hasattr(conn, "vendor") and hasattr(conn, "ensure_connection")  # a custom backend
+    ):
         return _from_django(conn)
     raise InvalidArgument(
         f"enqueue needs the connection of your transaction (a psycopg 3 Connection, a "

@@ -254,9 +254,30 @@ def test_outbox_migrate_says_which_database_it_cannot_reach(order_model: Any) ->
         ):
             call_command("outbox_migrate", stdout=io.StringIO())
         assert "hunter2" not in str(info.value)
+        assert info.value.returncode == 2  # unreachable, not "migrations pending"
     finally:
         outbox.unreachable = None
         down.close()
+
+
+def test_outbox_migrate_can_run_as_another_role(
+    order_model: Any, database_url: str, schema: str
+) -> None:
+    """The Dispatcher connects as the runtime role; --database-url migrates as the migrate
+    role (here: the Dispatcher's URL is unreachable, the given one works)."""
+    app = Celery("outbox_tests_django_other", set_as_current=False)
+    runtime = Dispatcher(
+        app, database_url="postgresql://app@127.0.0.1:1/shop", schema=schema, listen=False
+    )
+    outbox.unreachable = runtime
+    try:
+        with override_settings(OUTBOX_DISPATCHER="tests.django_project.outbox:unreachable"):
+            out = io.StringIO()
+            call_command("outbox_migrate", "--database-url", database_url, stdout=out)
+        assert "is up to date" in out.getvalue()
+    finally:
+        outbox.unreachable = None
+        runtime.close()
 
 
 def _ours(messages: list[Any]) -> list[str]:

@@ -8,10 +8,9 @@ from typing import Any
 import psycopg
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from .....dispatcher import Dispatcher
 from .....errors import OutboxError
 from .....logs import mask_dsn
-from .....migrations import applied_versions
+from .....migrations import applied_versions, migrate
 from .....sqlfiles import Migration, migrations
 from ...apps import get_dispatcher
 
@@ -28,16 +27,23 @@ class Command(BaseCommand):  # type: ignore[misc]
         parser.add_argument(
             "--check",
             action="store_true",
-            help="Apply nothing; exit with status 1 when migrations are pending.",
+            help="Apply nothing; exit with status 1 when migrations are pending (2 when the "
+            "database cannot be reached).",
+        )
+        parser.add_argument(
+            "--database-url",
+            help="Migrate as another role than the Dispatcher's (the migrate role of the "
+            "least-privilege layout: outbox-dispatch roles).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
         self.quiet = options["verbosity"] < 1
         dispatcher = get_dispatcher()
-        where = f"schema {dispatcher.schema!r} on {mask_dsn(dispatcher.database_url)}"
+        url = options.get("database_url") or dispatcher.database_url
+        where = f"schema {dispatcher.schema!r} on {mask_dsn(url)}"
         try:
             if options["check"]:
-                missing = pending(dispatcher)
+                missing = pending(url, dispatcher.schema)
                 if missing:
                     raise CommandError(
                         f"{len(missing)} outbox migrations pending in {where}: "
@@ -46,10 +52,12 @@ class Command(BaseCommand):  # type: ignore[misc]
                     )
                 self._say(f"outbox {where} is up to date")
                 return
-            applied = set(dispatcher.migrate())
+            applied = set(migrate(url, dispatcher.schema))
         except (psycopg.Error, OutboxError) as exc:
             doing = "check" if options["check"] else "migrate"
-            raise CommandError(f"cannot {doing} the outbox {where}: {mask_dsn(str(exc))}") from exc
+            raise CommandError(
+                f"cannot {doing} the outbox {where}: {mask_dsn(str(exc))}", returncode=2
+            ) from exc
         if not applied:
             self._say(f"outbox {where} is up to date")
             return
@@ -63,10 +71,10 @@ class Command(BaseCommand):  # type: ignore[misc]
             self.stdout.write(self.style.SUCCESS(text) if success else text)
 
 
-def pending(dispatcher: Dispatcher) -> list[Migration]:
-    """Migrations not yet applied to the dispatcher's schema (all of them on a fresh one)."""
-    with psycopg.connect(dispatcher.database_url, autocommit=True) as conn:
-        done = applied_versions(conn, dispatcher.schema)
+def pending(database_url: str, schema: str) -> list[Migration]:
+    """Migrations not yet applied to the schema (all of them on a fresh one)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        done = applied_versions(conn, schema)
     return [m for m in migrations() if m.version not in done]
 
 
