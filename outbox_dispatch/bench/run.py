@@ -124,7 +124,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--bp-max-in-flight", type=int, default=d.bp_max_in_flight)
     p.add_argument("--bp-lease", type=float, default=d.bp_lease, help="seconds (>= 1)")
     p.add_argument("--out", default=d.out, help="directory for bench.json")
-    p.add_argument("--plot", default=d.plot, help="PNG path ('' for none)")
+    p.add_argument(
+        "--plot", help=f"PNG path ('' for none; default {d.plot}, with --quick under --out)"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument(
         "--replot",
@@ -145,7 +147,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     o = Options(**(QUICK if a.quick else {}))  # type: ignore[arg-type]
     o.quick = a.quick
     o.replot = a.replot or ""
-    o.concurrency, o.pool, o.out, o.plot, o.json = a.concurrency, a.pool, a.out, a.plot, a.json
+    o.concurrency, o.pool, o.out, o.json = a.concurrency, a.pool, a.out, a.json
+    # a smoke run never overwrites the README's plot
+    o.plot = a.plot if a.plot is not None else (f"{a.out}/bench.png" if a.quick else d.plot)
     o.scenarios = tuple(s for s in SCENARIOS if s in chosen and s not in skipped)
     o.peers = tuple(x for x in PEERS if x in peers)
     o.rss_family = a.rss_family
