@@ -68,6 +68,7 @@ def other_app() -> Iterator[Callable[..., Dispatcher]]:
 
 # -- enqueue and cancel checks ------------------------------------------------------------------
 
+# enqueue inputs beyond test_enqueue.BAD_INPUTS; test_enqueue runs both lists
 MORE_BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception]]] = [
     ("actor too long", {"actor": "a" * 513}, InvalidArgument),
     ("actor with NUL", {"actor": "a\x00b"}, InvalidArgument),
@@ -83,29 +84,6 @@ MORE_BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception]]] = [
     ("payload infinity", {"payload": [float("inf")]}, InvalidPayload),
     ("payload deep NUL key", {"payload": {"a": [{"b\x00": 1}]}}, InvalidPayload),
 ]
-
-
-@pytest.mark.parametrize(
-    ("what", "change", "error"), MORE_BAD_INPUTS, ids=[b[0] for b in MORE_BAD_INPUTS]
-)
-def test_more_bad_input_raises_before_any_sql_and_writes_nothing(
-    dispatcher: Dispatcher,
-    commands: Callable[..., str],
-    database_url: str,
-    what: str,
-    change: dict[str, Any],
-    error: type[Exception],
-) -> None:
-    cmd = commands()
-    call: dict[str, Any] = {"command": cmd, "payload": {"ok": True}, **change}
-    with psycopg.connect(database_url) as conn, conn.transaction():
-        conn.execute("SELECT 1")
-        with pytest.raises(error):
-            dispatcher.enqueue(conn, **call)
-        with pytest.raises(error):
-            dispatcher.enqueue_many(conn, [Message(cmd, {"fine": 1}), Message(**call)])
-        conn.execute("SELECT 1")  # no SQL ran: the caller's transaction is still usable
-    assert count_rows(database_url, dispatcher.schema) == 0
 
 
 def test_enqueue_many_refuses_what_is_not_a_message(

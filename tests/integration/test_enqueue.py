@@ -22,6 +22,7 @@ from outbox_dispatch import (
 from tests.conftest import count_rows
 
 from .conftest import Effects
+from .test_bad_input import MORE_BAD_INPUTS
 
 
 def test_rolled_back_transaction_delivers_nothing(
@@ -125,7 +126,12 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception]]] = [
 ]
 
 
-@pytest.mark.parametrize(("what", "change", "error"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+ALL_BAD_INPUTS = BAD_INPUTS + MORE_BAD_INPUTS
+
+
+@pytest.mark.parametrize(
+    ("what", "change", "error"), ALL_BAD_INPUTS, ids=[b[0] for b in ALL_BAD_INPUTS]
+)
 def test_bad_input_raises_and_writes_nothing(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
