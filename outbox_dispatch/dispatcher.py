@@ -141,6 +141,7 @@ class Dispatcher:
         if listen:
             install_bootstep(app, self.wake_listener)
         metrics.install_worker_server(app, self)
+        wiring.on_worker_exit(self.delivery.settler.flush)
 
     def wake_listener(self) -> WakeListener:
         """The NOTIFY listener a worker runs (see wake.py); also usable on its own."""
@@ -396,7 +397,7 @@ class Dispatcher:
         hint = (
             routing_key[len(prefix) :] if routing_key and routing_key.startswith(prefix) else None
         )
-        return self.delivery.deliver_message(args, family_hint=hint)
+        return self.delivery.deliver_message(args, family_hint=hint, defer=True)
 
     def drain(self, timeout: float = 30.0, *, max_rounds: int = 100) -> DrainReport:
         """Claim and deliver in this process until nothing is due. For tests and scripts.

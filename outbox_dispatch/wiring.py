@@ -129,3 +129,15 @@ def on_configured(app: Celery, fn: Callable[[], None]) -> None:
             fn()
 
     app.on_after_configure.connect(handler, weak=False)
+
+
+def on_worker_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when a pool process or the worker shuts down (a warm shutdown), so work
+    handed to background threads is finished, not dropped."""
+    from celery import signals
+
+    def handler(**_kw: Any) -> None:
+        fn()
+
+    signals.worker_process_shutdown.connect(handler, weak=False)
+    signals.worker_shutdown.connect(handler, weak=False)

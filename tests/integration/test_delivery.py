@@ -222,3 +222,52 @@ def test_claim_that_never_started_costs_no_attempt(
     row = _row(database_url, dispatcher.schema, row_id)
     assert row["attempts"] == 1 and row["maybe_applied"] is False and row["parked_at"] is None
     assert dispatcher.drain(timeout=5).delivered == 1
+
+
+def _claim(dispatcher: Dispatcher, family: str) -> list[Any]:
+    return dispatcher.claimer.claim_family(dispatcher.families[family]).claimed
+
+
+def test_deferred_settles_are_batched_and_fenced(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's successes settle in the background, several rows per statement; a row
+    whose cancel was requested while its handler ran is still recorded as cancelled."""
+    schema = dispatcher.schema
+    cmd = commands(family="quick")
+    cancel_me: dict[str, int] = {}
+
+    def asks_to_cancel_itself(ctx: Context, payload: Any) -> None:
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            result = dispatcher.cancel(conn, ctx.row_id, reason="changed my mind")
+        assert result.requested == [ctx.row_id]  # it is running: a request
+        cancel_me["id"] = ctx.row_id
+
+    regretful = commands(family="quick", fn=asks_to_cancel_itself)
+    ids = [_enqueue(dispatcher, database_url, cmd, {"n": i}) for i in range(6)]
+    late = _enqueue(dispatcher, database_url, regretful)
+    statements: list[int] = []
+    settle_many = dispatcher.store.settle_many
+
+    def counting(kind: str, pairs: Any) -> set[int]:
+        statements.append(len(pairs))
+        return settle_many(kind, pairs)
+
+    dispatcher.store.settle_many = counting  # type: ignore[method-assign]
+    monkeypatch.setattr("outbox_dispatch.settler.WINDOW", 0.3)  # all seven gather
+    try:
+        for c in _claim(dispatcher, "quick"):
+            result = dispatcher.delivery.deliver(c.id, c.token, family_hint="quick", defer=True)
+            assert result.outcome is Outcome.DELIVERED
+        deadline = time.monotonic() + 5
+        while count_rows(database_url, schema, "cancelled_at IS NULL") > 0:
+            assert time.monotonic() < deadline, "deferred settles never landed"
+            time.sleep(0.01)
+    finally:
+        del dispatcher.store.settle_many
+    assert count_rows(database_url, schema) == 1  # the six are deleted
+    assert _row(database_url, schema, late)["cancel_reason"] == "changed my mind"
+    assert statements == [len(ids) + 1]  # one statement for the seven
