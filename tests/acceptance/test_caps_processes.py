@@ -157,11 +157,13 @@ def _assert_each_delivered_once(runs: list[dict[str, Any]], ids: list[int]) -> N
 def test_cap_holds_across_two_worker_processes(
     caps_env: dict[str, str], spawn: Callable[..., Popen[bytes]]
 ) -> None:
-    """50 actors x 40 jobs, cap 2, 20 ms handlers, two processes with 8 threads each."""
+    """6 actors x 100 jobs, cap 2, 20 ms handlers, two processes with 8 threads each: 12
+    slots for 16 threads, so the cap binds all along (with more actors than threads it only
+    bound by chance, and the peak-of-2 check below failed when chance said no)."""
     msgs = [
         Message("work.capped", {"n": j, "sleep": 0.02}, actor=f"actor{a}")
-        for j in range(40)
-        for a in range(50)
+        for j in range(100)
+        for a in range(6)
     ]
     ids = _enqueue(caps_env, msgs)
     procs = _stack(spawn, caps_env)
