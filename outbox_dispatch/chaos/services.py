@@ -149,7 +149,33 @@ def _tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
-class PrivatePostgres:
+class _PrivateServer:
+    """A server process of ours, in its own process group: killed with every child at once,
+    and restarted on the same port."""
+
+    proc: subprocess.Popen[bytes] | None
+    port: int
+    restarted = "chaos_server_restarted"
+    restart_note = ""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """kill -9 the server and every process it started (they share its process group)."""
+        _kill_group(self.proc)
+        self.proc = None
+
+    def restart(self, down: float = 1.0) -> None:
+        self.kill()
+        time.sleep(down)
+        self.start()
+        event(log, logging.WARNING, self.restarted, f"port {self.port}{self.restart_note}")
+
+
+class PrivatePostgres(_PrivateServer):
+    restarted = "chaos_postgres_restarted"
+
     def __init__(self, binaries: Binaries, logdir: Path, port: int) -> None:
         self.binaries = binaries
         self.port = port
@@ -222,23 +248,17 @@ class PrivatePostgres:
                     ) from exc
                 time.sleep(0.1)
 
-    def kill(self) -> None:
-        """kill -9 the postmaster and every backend (they share its process group)."""
-        _kill_group(self.proc)
-        self.proc = None
-
-    def restart(self, down: float = 1.0) -> None:
-        self.kill()
-        time.sleep(down)
-        self.start()
-        event(log, logging.WARNING, "chaos_postgres_restarted", f"port {self.port}")
-
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class PrivateRedis:
+class PrivateRedis(_PrivateServer):
+    """Restarted empty on the same port: every key is gone."""
+
+    restarted = "chaos_redis_restarted"
+    restart_note = ", data lost"
+
     def __init__(self, binary: str, logdir: Path, port: int) -> None:
         self.binary = binary
         self.port = port
@@ -288,17 +308,6 @@ class PrivateRedis:
                     time.sleep(0.05)
         finally:
             client.close()
-
-    def kill(self) -> None:
-        _kill_group(self.proc)
-        self.proc = None
-
-    def restart(self, down: float = 1.0) -> None:
-        """kill -9 and start empty on the same port: every key is gone."""
-        self.kill()
-        time.sleep(down)
-        self.start()
-        event(log, logging.WARNING, "chaos_redis_restarted", f"port {self.port}, data lost")
 
     def cut_connections(self) -> int:
         """Close every client connection (workers' broker and cap connections, pub/sub

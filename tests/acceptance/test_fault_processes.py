@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from subprocess import Popen
-from typing import Any
 
 import psycopg
 import pytest
@@ -18,6 +17,8 @@ from celery import Celery
 
 from outbox_dispatch import Dispatcher, Message
 from outbox_dispatch.migrations import migrate
+
+from .test_lifecycle_processes import _query
 
 CELERY = [sys.executable, "-m", "celery", "-A", "tests.acceptance.fault_app"]
 MAX_ATTEMPTS = 3
@@ -60,11 +61,6 @@ def _enqueue(env: dict[str, str], msgs: list[Message]) -> list[int]:
         ids = d.enqueue_many(conn, msgs)
     d.close()
     return ids
-
-
-def _query(env: dict[str, str], sql: str, *params: Any) -> list[tuple[Any, ...]]:
-    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:
-        return conn.execute(sql.replace("S.", f'"{env["OUTBOX_TEST_SCHEMA"]}".'), params).fetchall()
 
 
 def _wait(check: Callable[[], bool], timeout: float, what: str, proc: Popen[bytes]) -> None:
