@@ -38,6 +38,9 @@ class ClaimReport:
     parked: dict[str, int] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)
     rounds: int = 0
+    # families held back by their in-flight limit (or a full queue), not by a lack of due rows:
+    # a listener claims them again shortly, instead of this pass spinning on a few rows each
+    saturated: set[str] = field(default_factory=set)
 
     @property
     def total(self) -> int:
@@ -176,7 +179,8 @@ class Claimer:
         self, publish: Publisher, *, budget: float = 1.0, only: list[str] | None = None
     ) -> ClaimReport:
         """Claim and publish every family (or those in ``only``) until none fills a batch or
-        ``budget`` seconds pass."""
+        ``budget`` seconds pass. A family is claimed again within the pass only when the batch
+        size held it back; one held back by its in-flight limit is reported ``saturated``."""
         report = ClaimReport()
         deadline = time.monotonic() + budget
         pending = [f for f in self.families.values() if only is None or f.name in only]
@@ -192,6 +196,7 @@ class Claimer:
             for family in pending:
                 room = broker_room(family.max_in_flight, self.queued(family), family.batch)
                 if room == 0:
+                    report.saturated.add(family.name)
                     event(
                         log,
                         logging.DEBUG,
@@ -210,8 +215,11 @@ class Claimer:
                 _add(report.claimed, family.name, len(result.claimed))
                 _add(report.parked, family.name, len(result.parked))
                 _add(report.waiting, family.name, result.waiting)
-                if result.limit > 0 and len(result.claimed) + len(result.parked) >= result.limit:
-                    full.append(family)
+                if len(result.claimed) + len(result.parked) >= result.limit:
+                    if result.limit == self.batch:
+                        full.append(family)  # a whole batch: more rows may be due right now
+                    else:  # its in-flight limit or broker room held it back
+                        report.saturated.add(family.name)
             pending = full
             if time.monotonic() >= deadline:
                 break

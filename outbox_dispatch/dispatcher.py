@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-QUEUE_SIZE_TTL = 0.25  # seconds a family's broker queue size is reused by the claimer
+QUEUE_SIZE_TTL = 0.04  # seconds a family's broker queue size is reused by the claimer
 
 
 @dataclass(frozen=True)

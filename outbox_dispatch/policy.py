@@ -168,8 +168,18 @@ def claim_limit(batch: int, max_in_flight: int, in_flight: int) -> int:
 def broker_room(max_in_flight: int, queued_messages: int, rows_per_message: int) -> int:
     """Rows a claim may add to the family's broker queue. Messages that waited past their
     lease are stale but still queued; counting only live leases, a claimer would re-claim and
-    republish their rows again and again while the queue grew without bound."""
-    return max(0, max_in_flight - queued_messages * rows_per_message)
+    republish their rows again and again while the queue grew without bound.
+
+    Room below the refill mark counts as none: while the queue holds three quarters of what
+    the family may have in flight, the workers have plenty to do, and a claim that tops it up
+    a few rows at a time pays a full in-flight count for each few rows."""
+    room = max(0, max_in_flight - queued_messages * rows_per_message)
+    return room if room >= refill_mark(max_in_flight) else 0
+
+
+def refill_mark(max_in_flight: int) -> int:
+    """The least free room worth a claim: a quarter of max_in_flight (at least one row)."""
+    return max(1, max_in_flight // 4)
 
 
 @dataclass(frozen=True)

@@ -134,11 +134,11 @@ class Store:
     # -- connections -------------------------------------------------------------------------
 
     def _get_pool(self) -> ConnectionPool:
-        _mask_pool_logs()
         pid = os.getpid()
         if self._pool is None or self._pid != pid:
             with self._lock:
                 if self._pool is None or self._pid != pid:
+                    _mask_pool_logs()
                     self._pool = ConnectionPool(
                         self.database_url,
                         min_size=1,

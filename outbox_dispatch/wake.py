@@ -6,6 +6,11 @@ One listener per schema across all workers: the first takes a session advisory l
 others wait to take over if it dies. The listener claims serially: notifications that arrive
 while a claim pass runs (or within ``coalesce`` seconds of the first) are served by one pass,
 so a burst of commits is not a burst of claims, and a lone commit waits for nothing.
+
+A family whose claim stopped at its in-flight limit (or a full queue) is claimed again every
+``refill`` seconds until a claim finds fewer due rows than it could take: under a backlog the
+queue is topped up as workers free room, without waiting for beat and without a claim loop
+that spins on a few rows at a time.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from typing import Any
 
 import psycopg
 
+from .claimer import ClaimReport
 from .logs import event, mask_dsn
 from .naming import quoted
 
 log = logging.getLogger(__name__)
+
+REFILL = 0.05  # seconds between claims of a family held back by its in-flight limit
 
 
 class WakeListener:
@@ -29,10 +37,11 @@ class WakeListener:
         database_url: str,
         schema: str,
         channel: str,
-        claim: Callable[[list[str]], Any],
+        claim: Callable[[list[str]], ClaimReport],
         *,
         coalesce: float = 0.0,
         standby_retry: float = 5.0,
+        refill: float = REFILL,
     ) -> None:
         self.database_url = database_url
         self.schema = schema
@@ -40,6 +49,7 @@ class WakeListener:
         self.claim = claim
         self.coalesce = coalesce
         self.standby_retry = standby_retry
+        self.refill = refill
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.leading = threading.Event()
@@ -88,12 +98,15 @@ class WakeListener:
             conn.execute(f"LISTEN {quoted(self.channel)}")
             self.leading.set()
             event(log, logging.INFO, "wake_listening", f"listening on {self.channel}")
+            saturated: set[str] = set()
             while not self._stop.is_set():
-                families = {n.payload for n in conn.notifies(timeout=0.5, stop_after=1)}
-                if not families:
+                wait = self.refill if saturated else 0.5
+                families = {n.payload for n in conn.notifies(timeout=wait, stop_after=1)}
+                if not families and not saturated:
                     continue
-                families |= {n.payload for n in conn.notifies(timeout=self.coalesce)}
-                self.claim(sorted(families))
+                if families:
+                    families |= {n.payload for n in conn.notifies(timeout=self.coalesce)}
+                saturated = set(self.claim(sorted(families | saturated)).saturated)
 
 
 def install_bootstep(app: Any, make: Callable[[], WakeListener]) -> None:

@@ -21,7 +21,11 @@ SELECT id FROM __SCHEMA__.outbox WHERE dedupe_key = %(dedupe_key)s;
 
 -- name: lock_family
 -- Serializes one family's claims so the in-flight count cannot race; released at commit.
-SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s));
+-- Also turns bitmap scans off for the claim's transaction: a bitmap scan cannot skip the dead
+-- index entries that settled rows leave behind until vacuum (seen: 66k entries, 4.5 ms per
+-- in-flight count), while a plain index scan marks them dead once and then passes them by.
+SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
+       set_config('enable_bitmapscan', 'off', true);
 
 -- name: in_flight
 -- Claimed rows whose lease runs, and started rows whose lease ran out: a transactional handler

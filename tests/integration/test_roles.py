@@ -27,6 +27,7 @@ from outbox_dispatch import (
     Message,
     Outcome,
 )
+from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.migrations import latest_version, migrate
 from outbox_dispatch.roles import apply_roles, role_sql
 
@@ -156,7 +157,12 @@ def _exercise_runtime(d: Dispatcher, url: str, schema: str) -> None:
     # the NOTIFY listener: advisory lock, LISTEN, and a claim when a commit notifies
     woke = threading.Event()
     listener = d.wake_listener()
-    listener.claim = lambda families: woke.set()
+
+    def woken(families: list[str]) -> ClaimReport:
+        woke.set()
+        return ClaimReport()
+
+    listener.claim = woken
     listener.start()
     try:
         assert listener.leading.wait(10), "the runtime role could not lead the listener"

@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from outbox_dispatch import Dispatcher
+from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.wake import WakeListener
 
 
@@ -21,9 +22,10 @@ def test_commit_wakes_the_listener_and_rollback_does_not(
     woken: list[tuple[float, list[str]]] = []
     event = threading.Event()
 
-    def claim(families: list[str]) -> None:
+    def claim(families: list[str]) -> ClaimReport:
         woken.append((time.monotonic(), families))
         event.set()
+        return ClaimReport()
 
     listener = WakeListener(database_url, schema, dispatcher.store.channel, claim)
     listener.start()
@@ -57,9 +59,9 @@ def test_commit_wakes_the_listener_and_rollback_does_not(
 def test_only_one_listener_per_schema_leads(
     dispatcher: Dispatcher, database_url: str, schema: str
 ) -> None:
-    first = WakeListener(database_url, schema, dispatcher.store.channel, lambda f: None)
+    first = WakeListener(database_url, schema, dispatcher.store.channel, lambda f: ClaimReport())
     second = WakeListener(
-        database_url, schema, dispatcher.store.channel, lambda f: None, standby_retry=0.2
+        database_url, schema, dispatcher.store.channel, lambda f: ClaimReport(), standby_retry=0.2
     )
     first.start()
     try:
@@ -72,3 +74,31 @@ def test_only_one_listener_per_schema_leads(
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_saturated_family_is_claimed_again_until_its_backlog_is_gone(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """One commit, and a claim held back by the family's in-flight limit: the listener claims
+    that family again every ``refill`` seconds, and stops once a claim is not held back."""
+    calls: list[list[str]] = []
+    done = threading.Event()
+
+    def claim(families: list[str]) -> ClaimReport:
+        calls.append(families)
+        if len(calls) >= 4:
+            done.set()
+            return ClaimReport()
+        return ClaimReport(saturated={"intent"})
+
+    listener = WakeListener(database_url, schema, dispatcher.store.channel, claim, refill=0.05)
+    listener.start()
+    try:
+        assert listener.leading.wait(5)
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            dispatcher.enqueue(conn, commands(), {})
+        assert done.wait(5)
+        time.sleep(0.7)  # longer than the idle wait: no notify, nothing saturated, no claim
+        assert calls == [["intent"]] * 4
+    finally:
+        listener.stop()

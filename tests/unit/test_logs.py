@@ -147,9 +147,10 @@ def test_cli_migrate_with_a_malformed_url_fails_cleanly_without_the_password(
 def test_wake_listener_warning_does_not_quote_the_password(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from outbox_dispatch.claimer import ClaimReport
     from outbox_dispatch.wake import WakeListener
 
-    listener = WakeListener(BROKEN_URL, "outbox", "outbox_outbox", lambda families: None)
+    listener = WakeListener(BROKEN_URL, "outbox", "outbox_outbox", lambda f: ClaimReport())
     with caplog.at_level(logging.WARNING, logger="outbox_dispatch.wake"):
         listener.start()
         try:

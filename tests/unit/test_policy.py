@@ -121,3 +121,13 @@ def test_broker_room_counts_queued_messages_as_rows() -> None:
     assert broker_room(100, 40, 1) == 60
     assert broker_room(100, 3, 50) == 0  # three batched messages of 50 rows fill it
     assert broker_room(100, 500, 1) == 0  # never negative
+
+
+def test_room_below_the_refill_mark_counts_as_none() -> None:
+    from outbox_dispatch.policy import broker_room, refill_mark
+
+    assert refill_mark(1000) == 250
+    assert refill_mark(3) == 1  # a tiny family still claims its one free row
+    assert broker_room(1000, 750, 1) == 250
+    assert broker_room(1000, 751, 1) == 0  # three quarters queued: nothing to top up yet
+    assert broker_room(3, 2, 1) == 1
