@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis
 
+from outbox_dispatch.bench import cpu
 from outbox_dispatch.bench.report import Latency, Throughput, percentile
 
 APP = "outbox_dispatch.bench.app"
@@ -229,12 +230,17 @@ def measure(
         warm_up(system, r, procs)
         if rows:
             say(f"throughput: {system.scenario}, {rows:,} rows")
+            before = cpu.sample(p.pid for p in procs)
             t0 = time.monotonic()
             system.produce(rows)
             produced = time.monotonic() - t0
             t1 = wait_count(r, rows, system.scenario, 900, procs, t0=t0)
-            figure = Throughput(system.scenario, system.system, rows, t1 - t0, produced)
-            say(f"  -> {figure.per_second:,.0f} rows/s ({figure.seconds:.2f} s)")
+            used = cpu.per_row_ms(before, cpu.sample(p.pid for p in procs), rows)
+            figure = Throughput(system.scenario, system.system, rows, t1 - t0, produced, used)
+            say(
+                f"  -> {figure.per_second:,.0f} rows/s ({figure.seconds:.2f} s), "
+                f"CPU {used['total']:.2f} ms/row"
+            )
         for pace in paces if system.paced is not None else ():
             assert system.paced is not None
             time.sleep(1.0)  # the worker's listener (if any) is subscribed; the last burst is over

@@ -25,6 +25,7 @@ class Throughput:
     rows: int
     seconds: float
     produce_seconds: float = 0.0  # the producer's part of ``seconds``
+    cpu_ms: dict[str, float] = field(default_factory=dict)  # CPU per row by process group
 
     @property
     def per_second(self) -> float:
@@ -200,6 +201,17 @@ def throughput_table(figures: list[Throughput], baseline: str = "celery delay()"
     return table(rows, [*columns, "vs plain Celery"])
 
 
+def cpu_table(figures: list[Throughput]) -> str:
+    """CPU milliseconds per row by process group (see cpu.py)."""
+    groups = ["worker", "postgres", "redis", "driver", "total"]
+    rows = [
+        {"scenario": f.scenario, "system": f.system, **{g: f"{f.cpu_ms[g]:.2f}" for g in groups}}
+        for f in figures
+        if f.cpu_ms
+    ]
+    return table(rows, ["scenario", "system", *groups])
+
+
 def peer_ratios(figures: list[Throughput]) -> list[dict[str, Any]]:
     """Ours / theirs for every peer that ran: per-row (the like-for-like, one row per message)
     and batched; ``meets`` compares the per-row ratio with the issue's target."""
@@ -316,6 +328,9 @@ def render(results: Results) -> str:
     if results.throughput:
         parts += ["throughput (no-op deliveries, first enqueue to last run):"]
         parts += [throughput_table(results.throughput), ""]
+        if any(f.cpu_ms for f in results.throughput):
+            parts += ["CPU per row, ms, by process (worker = the system's own processes):"]
+            parts += [cpu_table(results.throughput), ""]
         if peer_ratios(results.throughput):
             parts += ["against peers (ours / theirs, same Postgres, broker and work):"]
             parts += [peer_table(results.throughput), ""]

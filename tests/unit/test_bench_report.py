@@ -185,3 +185,35 @@ def test_options_quick_only_and_sizes() -> None:
         parse_args(["--only", "nonsense"])
     with pytest.raises(SystemExit):
         parse_args(["--rss-rows", "100", "--rss-warmup", "100"])
+
+
+def test_cpu_groups_follow_the_process_tree_and_count_reaped_children() -> None:
+    from outbox_dispatch.bench import cpu
+
+    line = "42 (celery (main)) S 7 42 42 0 -1 4194560 1 0 0 0 30 10 5 2 20 0 3 0 1 2 3"
+    p = cpu.parse_stat(line)
+    assert (p.pid, p.ppid, p.name, p.ticks) == (42, 7, "celery (main)", 47)
+    procs = [
+        cpu.Proc(10, 1, "python", 100),  # the worker
+        cpu.Proc(11, 10, "python", 50),  # its pool process
+        cpu.Proc(12, 11, "python", 5),  # a grandchild
+        cpu.Proc(20, 1, "postgres", 7),  # postmaster (reaped backends count here)
+        cpu.Proc(21, 20, "postgres", 30),
+        cpu.Proc(30, 1, "redis-server", 9),
+        cpu.Proc(40, 1, "python", 11),  # the driver
+        cpu.Proc(50, 1, "python", 999),  # someone else's process
+    ]
+    before = cpu.group_ticks(procs, [10], driver=40)
+    assert before == {"worker": 155, "postgres": 37, "redis": 9, "driver": 11}
+    after = dict(before, worker=155 + 2 * cpu.TICKS, postgres=37 + cpu.TICKS)
+    ms = cpu.per_row_ms(before, after, rows=1000)
+    assert ms == {"worker": 2.0, "postgres": 1.0, "redis": 0.0, "driver": 0.0, "total": 3.0}
+
+
+def test_cpu_figures_are_tabled_and_survive_the_json_round_trip() -> None:
+    used = {"worker": 1.5, "postgres": 0.3, "redis": 0.1, "driver": 0.05, "total": 1.95}
+    results = Results(throughput=[Throughput(PER_ROW, "outbox", 100, 1.0, 0.1, used)])
+    text = render(results)
+    assert "CPU per row" in text and "1.95" in text
+    again = results_from_json(json.loads(json.dumps(results.to_json())))
+    assert again.throughput[0].cpu_ms == used
