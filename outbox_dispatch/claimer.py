@@ -215,13 +215,16 @@ class Claimer:
                 _add(report.claimed, family.name, len(result.claimed))
                 _add(report.parked, family.name, len(result.parked))
                 _add(report.waiting, family.name, result.waiting)
-                if len(result.claimed) + len(result.parked) >= result.limit:
+                if 0 < result.limit <= len(result.claimed) + len(result.parked):
                     if result.limit == self.batch:
                         full.append(family)  # a whole batch: more rows may be due right now
                     else:  # its in-flight limit or broker room held it back
                         report.saturated.add(family.name)
+                # limit 0: every slot is taken by running rows; settles free them slowly, and
+                # beat claims again (polling the count would cost a scan each time)
             pending = full
             if time.monotonic() >= deadline:
+                report.saturated.update(f.name for f in pending)  # still work: top up later
                 break
         return report
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
 from .appload import load_dispatcher
+from .claimer import ClaimReport
 from .dispatcher import Dispatcher, DrainReport
 from .wake import WakeListener
 
@@ -62,12 +62,13 @@ class Inline:
             standby_retry=0.1,
         )
 
-    def _deliver(self, families: list[str]) -> Any:
+    def _deliver(self, families: list[str]) -> ClaimReport:
         with self._lock:
             try:
                 self.reports.append(self.dispatcher.drain(timeout=30))
             except BaseException as exc:  # surfaced by wait()
                 self.errors.append(exc)
+        return ClaimReport()  # a drain leaves nothing due: nothing to top up
 
     def wait(self, timeout: float = 10.0) -> DrainReport:
         """Return once nothing is due (delivering what still is); raise what a delivery raised."""

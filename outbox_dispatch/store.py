@@ -300,7 +300,10 @@ class Store:
         with conn.pipeline():
             lock = f"{self.schema}.claim.{family.name}"
             conn.execute(self.q["lock_family"], {"lock_name": lock})
-            cur = conn.execute(self.q["in_flight"], {"family": family.name})
+            cur = conn.execute(
+                self.q["in_flight"],
+                {"family": family.name, "max_in_flight": family.max_in_flight},
+            )
         row = cur.fetchone()
         return claim_limit(batch, family.max_in_flight, int(row[0]) if row else 0)
 

@@ -106,7 +106,8 @@ class WakeListener:
                     continue
                 if families:
                     families |= {n.payload for n in conn.notifies(timeout=self.coalesce)}
-                saturated = set(self.claim(sorted(families | saturated)).saturated)
+                report = self.claim(sorted(families | saturated))
+                saturated = set(getattr(report, "saturated", None) or ())
 
 
 def install_bootstep(app: Any, make: Callable[[], WakeListener]) -> None:

@@ -31,9 +31,14 @@ SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
 -- Claimed rows whose lease runs, and started rows whose lease ran out: a transactional handler
 -- holding its row locked does not renew the lease, and a dead worker's row is claimed again
 -- right away anyway.
-SELECT count(*) FROM __SCHEMA__.outbox
-WHERE family = %(family)s AND claim_token IS NOT NULL
-  AND (due_at > now() OR started_at IS NOT NULL);
+-- Counted up to max_in_flight (a claim needs no more), along the outbox_claimed index.
+SELECT count(*) FROM (
+    SELECT 1 FROM __SCHEMA__.outbox
+    WHERE family = %(family)s AND claim_token IS NOT NULL
+      AND (due_at > now() OR started_at IS NOT NULL)
+    ORDER BY due_at
+    LIMIT %(max_in_flight)s
+) AS live;
 
 -- name: pick_due
 -- A claim's first statement: due rows of a family from the outbox_due index range, oldest

@@ -45,6 +45,11 @@ def test_inline_delivers_right_after_commit(outbox_inline):
     while userapp.SEEN != [2]:  # no drain here: the commit's NOTIFY delivers it
         assert time.monotonic() < deadline, "not delivered inline"
         time.sleep(0.02)
+    with psycopg.connect(URL) as conn, conn.transaction():  # the listener still listens
+        userapp.dispatcher.enqueue(conn, "user.hello", {{"n": 3}})
+    while userapp.SEEN != [2, 3]:
+        assert time.monotonic() < deadline, "second commit not delivered inline"
+        time.sleep(0.02)
     assert outbox_inline.wait().delivered == 0
 """
 

@@ -109,6 +109,14 @@ def test_a_pass_held_back_by_max_in_flight_claims_once_and_says_so(
         assert dispatcher.store.settle("delete", c.id, c.token)
     report = run()
     assert (report.claimed, report.rounds, report.saturated) == ({"quick": 3}, 1, {"quick"})
+    # every slot taken and nothing settled: no claim, and no polling either (beat comes back)
+    report = run()
+    assert (report.claimed, report.saturated) == ({}, set())
+    # a full broker queue: saturated without asking Postgres (the listener polls its length)
+    claimer.queued = lambda f: 40
+    report = run()
+    assert (report.claimed, report.saturated) == ({}, {"quick"})
+    claimer.queued = lambda f: 0
     # with room for all of them, the pass repeats full batches until the due rows run out
     claimer.families = {"quick": family.with_policy(max_in_flight=10_000)}
     report = run()
@@ -133,7 +141,7 @@ def test_the_in_flight_count_does_not_use_a_bitmap_scan(
         plan = "\n".join(
             str(r[0])
             for r in conn.execute(
-                "EXPLAIN " + store.q["in_flight"], {"family": "intent"}
+                "EXPLAIN " + store.q["in_flight"], {"family": "intent", "max_in_flight": 1000}
             ).fetchall()
         )
     assert "Bitmap" not in plan, plan
@@ -190,6 +198,8 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
     store = Store(database_url, big_schema, pool_size=1)
     try:
         with store.connection() as conn, conn.transaction():
+            # as in a claim: the family lock's statement also sets the claim's plan settings
+            conn.execute(store.q["lock_family"], {"lock_name": "test.plans"})
             rows = conn.execute(
                 "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["capped_candidates"],
                 {"family": "intent", "probe": 2000},
@@ -197,7 +207,8 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
             capped_plan = "\n".join(str(r[0]) for r in rows)
             pick_plan, lease_plan = _claim_plans(store, conn, 500)
             rows = conn.execute(
-                "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["in_flight"], {"family": "intent"}
+                "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["in_flight"],
+                {"family": "intent", "max_in_flight": 1000},
             ).fetchall()
             in_flight_plan = "\n".join(str(r[0]) for r in rows)
             raise psycopg.Rollback()  # EXPLAIN ANALYZE ran the claim: undo it

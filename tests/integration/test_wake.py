@@ -3,6 +3,7 @@ does not."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -82,10 +83,12 @@ def test_a_saturated_family_is_claimed_again_until_its_backlog_is_gone(
     """One commit, and a claim held back by the family's in-flight limit: the listener claims
     that family again every ``refill`` seconds, and stops once a claim is not held back."""
     calls: list[list[str]] = []
+    at: list[float] = []
     done = threading.Event()
 
     def claim(families: list[str]) -> ClaimReport:
         calls.append(families)
+        at.append(time.monotonic())
         if len(calls) >= 4:
             done.set()
             return ClaimReport()
@@ -100,5 +103,7 @@ def test_a_saturated_family_is_claimed_again_until_its_backlog_is_gone(
         assert done.wait(5)
         time.sleep(0.7)  # longer than the idle wait: no notify, nothing saturated, no claim
         assert calls == [["intent"]] * 4
+        gaps = [b - a for a, b in itertools.pairwise(at)]
+        assert min(gaps) >= 0.045, gaps  # the refill interval, not a spin
     finally:
         listener.stop()

@@ -131,3 +131,4 @@ def test_room_below_the_refill_mark_counts_as_none() -> None:
     assert broker_room(1000, 750, 1) == 250
     assert broker_room(1000, 751, 1) == 0  # three quarters queued: nothing to top up yet
     assert broker_room(3, 2, 1) == 1
+    assert broker_room(60, 1, 50) == 0  # one batched message of 50 leaves 10 < 15
