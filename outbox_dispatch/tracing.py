@@ -47,9 +47,19 @@ def attributes(started: Started) -> dict[str, Any]:
     return attrs
 
 
+def _recording() -> bool:
+    """Whether an SDK is configured (read per call: the app may set one after import)."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 @contextmanager
 def delivery_span(started: Started) -> Iterator[trace.Span]:
-    """The span a handler runs in: a child of the enqueuing span when the row carries one."""
+    """The span a handler runs in: a child of the enqueuing span when the row carries one.
+    Without an SDK nothing would record it: no span is built (a row's cost, not a trace's)."""
+    if not _recording():
+        yield trace.INVALID_SPAN
+        return
     parent = propagate.extract(started.trace_context) if started.trace_context else None
     with _tracer.start_as_current_span(
         f"outbox deliver {started.command}",

@@ -44,7 +44,7 @@ PROCRASTINATE_DB = "outbox_bench_procrastinate"
 DCO_DB = "outbox_bench_dco"
 TX_ROWS = 1000  # rows per producer transaction, for every system
 RELAY_BATCH = 500  # our claimer's claim_batch
-RELAY_IDLE = 0.2  # our bench app's claim_interval
+RELAY_IDLE = 0.2  # the relay's poll interval: it has no commit wake, so this is its latency
 DCO_APP = "outbox_dispatch.bench.dco_app.app"
 
 
