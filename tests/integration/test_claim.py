@@ -64,15 +64,21 @@ def test_two_claimers_racing_claim_each_row_once(
     )
 
 
-def test_claim_never_exceeds_max_in_flight(
-    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+def _quick_rows_due(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, n: int
 ) -> None:
     cmd = commands(family="quick")
     _bulk_insert(
         database_url,
         dispatcher.schema,
-        f"SELECT 'quick', '{cmd}', NULL, '{{}}'::jsonb, now(), NULL FROM generate_series(1, 300)",
+        f"SELECT 'quick', '{cmd}', NULL, '{{}}'::jsonb, now(), NULL FROM generate_series(1, {n})",
     )
+
+
+def test_claim_never_exceeds_max_in_flight(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    _quick_rows_due(dispatcher, commands, database_url, 300)
     family = dispatcher.families["quick"].with_policy(max_in_flight=120)
     first = dispatcher.claimer.claim_family(family, batch=100)
     second = dispatcher.claimer.claim_family(family, batch=100)
@@ -90,12 +96,7 @@ def test_a_pass_held_back_by_max_in_flight_claims_once_and_says_so(
     """A family at its in-flight limit is reported saturated (the listener tops it up later)
     instead of the pass spinning on the few rows each settle frees; only a claim that the
     batch size held back is repeated within the pass."""
-    cmd = commands(family="quick")
-    _bulk_insert(
-        database_url,
-        dispatcher.schema,
-        f"SELECT 'quick', '{cmd}', NULL, '{{}}'::jsonb, now(), NULL FROM generate_series(1, 300)",
-    )
+    _quick_rows_due(dispatcher, commands, database_url, 300)
     family = dispatcher.families["quick"].with_policy(max_in_flight=40)
     claimer = Claimer(dispatcher.store, {"quick": family}, batch=100)
     published: list[Claimed] = []
