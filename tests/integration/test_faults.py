@@ -250,21 +250,31 @@ def caps_prefix(redis_url: str) -> Iterator[str]:
     client.close()
 
 
+@pytest.fixture
+def caps_via_proxy(
+    redis_proxy: FaultProxy,
+    make_dispatcher: Callable[..., Dispatcher],
+    caps_prefix: str,
+    database_url: str,
+    redis_url: str,
+) -> Dispatcher:
+    """A dispatcher whose caps reach Redis through the proxy a test can cut."""
+    caps_url = redis_proxy.url(redis_url).rsplit("/", 1)[0] + f"/{REDIS_DB}"
+    return make_dispatcher(database_url, caps_url, key_prefix=caps_prefix)
+
+
 def _warnings(caplog: pytest.LogCaptureFixture, action: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.__dict__.get("action") == action]
 
 
 def test_redis_down_pauses_capped_claims_with_a_clear_warning_and_they_resume(
     redis_proxy: FaultProxy,
-    make_dispatcher: Callable[..., Dispatcher],
-    caps_prefix: str,
+    caps_via_proxy: Dispatcher,
     database_url: str,
-    redis_url: str,
     schema: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caps_url = redis_proxy.url(redis_url).rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    d = make_dispatcher(database_url, caps_url, key_prefix=caps_prefix)
+    d = caps_via_proxy
     d.family("capdown", per_actor=1, lease=5, max_attempts=3)
     ran: list[tuple[int, str | None]] = []
     cmd = f"fault.{uuid.uuid4().hex[:6]}"
@@ -326,15 +336,12 @@ def test_redis_down_pauses_capped_claims_with_a_clear_warning_and_they_resume(
 
 def test_redis_down_at_delivery_hands_a_capped_row_back_uncounted(
     redis_proxy: FaultProxy,
-    make_dispatcher: Callable[..., Dispatcher],
-    caps_prefix: str,
+    caps_via_proxy: Dispatcher,
     database_url: str,
-    redis_url: str,
     schema: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caps_url = redis_proxy.url(redis_url).rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    d = make_dispatcher(database_url, caps_url, key_prefix=caps_prefix)
+    d = caps_via_proxy
     # the handed-back row's slot cannot be released while Redis is away: it expires with the
     # lease, so a short lease keeps this test short
     d.family("capdeliver", per_actor=1, lease=1.5, max_attempts=3)
@@ -365,14 +372,11 @@ def test_redis_down_at_delivery_hands_a_capped_row_back_uncounted(
 
 def test_redis_down_warning_names_the_cause(
     redis_proxy: FaultProxy,
-    make_dispatcher: Callable[..., Dispatcher],
-    caps_prefix: str,
+    caps_via_proxy: Dispatcher,
     database_url: str,
-    redis_url: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caps_url = redis_proxy.url(redis_url).rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    d = make_dispatcher(database_url, caps_url, key_prefix=caps_prefix)
+    d = caps_via_proxy
     d.family("capcause", per_actor=1, lease=5)
     d.declare("fault.cause", family="capcause")
     with psycopg.connect(database_url) as conn, conn.transaction():
