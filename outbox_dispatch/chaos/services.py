@@ -29,6 +29,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -149,17 +151,43 @@ def _tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
-class _PrivateServer:
+class _PrivateServer(ABC):
     """A server process of ours, in its own process group: killed with every child at once,
     and restarted on the same port."""
 
     proc: subprocess.Popen[bytes] | None
     port: int
+    logfile: Path
     restarted = "chaos_server_restarted"
     restart_note = ""
 
+    @abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Start the server (again) on ``self.port`` and wait until it answers."""
+
+    def _wait_until_up(
+        self,
+        ping: Callable[[], object],
+        errors: type[Exception] | tuple[type[Exception], ...],
+        timeout: float,
+        what: str,
+        interval: float,
+    ) -> None:
+        """Ping until the server answers; a server that exits or stays silent is an error
+        that quotes its log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ping()
+                return
+            except errors as exc:
+                assert self.proc is not None
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise ServiceError(
+                        f"private {what} did not start on port {self.port} ({exc}); its log "
+                        f"ends with: {_tail(self.logfile)}"
+                    ) from exc
+                time.sleep(interval)
 
     def kill(self) -> None:
         """kill -9 the server and every process it started (they share its process group)."""
@@ -234,19 +262,12 @@ class PrivatePostgres(_PrivateServer):
             "log_min_messages=warning",
         ]
         self.proc = _spawn(args, self.logfile, owner=self.owner, cwd=str(self.root))
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with psycopg.connect(self.url, connect_timeout=2) as conn:
-                    conn.execute("SELECT 1")
-                return
-            except psycopg.OperationalError as exc:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise ServiceError(
-                        f"private Postgres did not start on port {self.port} ({exc}); its log "
-                        f"ends with: {_tail(self.logfile)}"
-                    ) from exc
-                time.sleep(0.1)
+
+        def ping() -> None:
+            with psycopg.connect(self.url, connect_timeout=2) as conn:
+                conn.execute("SELECT 1")
+
+        self._wait_until_up(ping, psycopg.OperationalError, timeout, "Postgres", 0.1)
 
     def close(self) -> None:
         self.kill()
@@ -292,20 +313,9 @@ class PrivateRedis(_PrivateServer):
             "4000",
         ]
         self.proc = _spawn(args, self.logfile, cwd=str(self.root))
-        deadline = time.monotonic() + timeout
         client = self.client()
         try:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.RedisError as exc:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise ServiceError(
-                            f"private Redis did not start on port {self.port} ({exc}): "
-                            f"{_tail(self.logfile)}"
-                        ) from exc
-                    time.sleep(0.05)
+            self._wait_until_up(client.ping, redis.RedisError, timeout, "Redis", 0.05)
         finally:
             client.close()
 
