@@ -7,8 +7,10 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import django
 import psycopg
@@ -23,8 +25,14 @@ from django.db import connection, connections, transaction
 from django.test.utils import override_settings
 
 from outbox_dispatch import Dispatcher, Message
-from outbox_dispatch.contrib.django import NotInTransaction, enqueue, enqueue_many
+from outbox_dispatch.contrib.django import (
+    NotInTransaction,
+    enqueue,
+    enqueue_many,
+    get_dispatcher,
+)
 from outbox_dispatch.contrib.django.checks import database_problems
+from outbox_dispatch.logs import mask_dsn
 from outbox_dispatch.sqlfiles import migrations
 from outbox_dispatch.wiring import CLAIM_TASK
 from tests.conftest import count_rows
@@ -33,6 +41,22 @@ from tests.django_project import outbox
 from .conftest import Effects
 
 SETTINGS = "tests.django_project.settings"
+
+
+@contextmanager
+def _served(name: str, dispatcher: Dispatcher) -> Iterator[None]:
+    """OUTBOX_DISPATCHER pointed at ``outbox.<name>``, which holds ``dispatcher``.
+
+    get_dispatcher() caches what each setting value named for the whole process, so a name
+    reused by two tests would hand the second one the first one's dispatcher (its database
+    and schema): the identity check makes such a reuse fail here, not in the command."""
+    setattr(outbox, name, dispatcher)
+    try:
+        with override_settings(OUTBOX_DISPATCHER=f"tests.django_project.outbox:{name}"):
+            assert get_dispatcher() is dispatcher, f"outbox.{name} served another dispatcher"
+            yield
+    finally:
+        setattr(outbox, name, None)
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +69,7 @@ def order_model(dispatcher: Dispatcher, schema: str) -> Iterator[Any]:
         env.setenv("OUTBOX_TEST_DJANGO_SCHEMA", schema)
         django.setup()
         assert settings.SETTINGS_MODULE == SETTINGS, "Django was set up by another project"
+    assert get_dispatcher() is dispatcher, "OUTBOX_DISPATCHER served another dispatcher"
     from tests.django_project.shop.models import Order
 
     with connection.schema_editor() as editor:
@@ -70,9 +95,7 @@ def listening(
     d = Dispatcher(app, database_url=database_url, schema=schema, queue_prefix="djlisten")
     d.family("lined", ordered=True)
     d.declare("dj.lined", family="lined")
-    outbox.listening = d
     yield d
-    outbox.listening = None
     d.close()
 
 
@@ -138,7 +161,7 @@ def test_an_ordered_row_enqueued_first_in_the_block_rolls_back_with_it(
 ) -> None:
     # atomic() begins nothing on the server until the first statement; the ordered insert's
     # own transaction block must not become a commit of its own
-    with override_settings(OUTBOX_DISPATCHER="tests.django_project.outbox:listening"):
+    with _served("listening", listening):
         with pytest.raises(RuntimeError), transaction.atomic():
             enqueue("dj.lined", {"n": 1}, actor="customer:1")
             orders.objects.create(customer="cy", total_cents=1)
@@ -215,18 +238,18 @@ def test_outbox_migrate_applies_pending_migrations_once(
     order_model: Any, database_url: str, run_id: str
 ) -> None:
     fresh_schema = f"od_test_{run_id}_django"
-    app = Celery("outbox_tests_django_fresh", set_as_current=False)
+    app = Celery("outbox_tests_django_fresh", broker="memory://", set_as_current=False)
     fresh = Dispatcher(app, database_url=database_url, schema=fresh_schema, listen=False)
-    outbox.fresh = fresh
     names = [f"{m.version:04d}_{m.name}" for m in migrations()]
     try:
-        with override_settings(OUTBOX_DISPATCHER="tests.django_project.outbox:fresh"):
+        with _served("fresh", fresh):
             with pytest.raises(CommandError, match=f"{len(names)} outbox migrations pending"):
                 call_command("outbox_migrate", "--check", stdout=io.StringIO())
             out = io.StringIO()
             call_command("outbox_migrate", stdout=out)
             applied = [ln.removeprefix("applied ") for ln in out.getvalue().splitlines()]
-            assert applied[:-1] == names and "migrated" in applied[-1]
+            assert applied[:-1] == names and f"{fresh_schema!r}" in applied[-1]
+            assert "migrated" in applied[-1]
             for args in (["outbox_migrate"], ["outbox_migrate", "--check"]):
                 again = io.StringIO()
                 call_command(*args, stdout=again)
@@ -235,19 +258,17 @@ def test_outbox_migrate_applies_pending_migrations_once(
             found = conn.execute("SELECT to_regclass(%s)", (f"{fresh_schema}.outbox",)).fetchone()
         assert found is not None and found[0] is not None
     finally:
-        outbox.fresh = None
         fresh.close()
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{fresh_schema}" CASCADE')
 
 
 def test_outbox_migrate_says_which_database_it_cannot_reach(order_model: Any) -> None:
-    app = Celery("outbox_tests_django_down", set_as_current=False)
+    app = Celery("outbox_tests_django_down", broker="memory://", set_as_current=False)
     down = Dispatcher(app, database_url="postgresql://app:hunter2@127.0.0.1:1/shop", listen=False)
-    outbox.unreachable = down
     try:
         with (
-            override_settings(OUTBOX_DISPATCHER="tests.django_project.outbox:unreachable"),
+            _served("unreachable", down),
             pytest.raises(
                 CommandError, match=r"cannot migrate the outbox .*127\.0\.0\.1:1"
             ) as info,
@@ -256,7 +277,6 @@ def test_outbox_migrate_says_which_database_it_cannot_reach(order_model: Any) ->
         assert "hunter2" not in str(info.value)
         assert info.value.returncode == 2  # unreachable, not "migrations pending"
     finally:
-        outbox.unreachable = None
         down.close()
 
 
@@ -264,19 +284,20 @@ def test_outbox_migrate_can_run_as_another_role(
     order_model: Any, database_url: str, schema: str
 ) -> None:
     """The Dispatcher connects as the runtime role; --database-url migrates as the migrate
-    role (here: the Dispatcher's URL is unreachable, the given one works)."""
-    app = Celery("outbox_tests_django_other", set_as_current=False)
+    role (here: the Dispatcher's URL is unreachable, the given one works). The session's
+    schema is migrated already, so there is nothing to apply."""
+    app = Celery("outbox_tests_django_other", broker="memory://", set_as_current=False)
     runtime = Dispatcher(
         app, database_url="postgresql://app@127.0.0.1:1/shop", schema=schema, listen=False
     )
-    outbox.unreachable = runtime
     try:
-        with override_settings(OUTBOX_DISPATCHER="tests.django_project.outbox:unreachable"):
+        with _served("other_role", runtime):
             out = io.StringIO()
             call_command("outbox_migrate", "--database-url", database_url, stdout=out)
-        assert "is up to date" in out.getvalue()
+        assert out.getvalue().splitlines() == [
+            f"outbox schema {schema!r} on {mask_dsn(database_url)} is up to date"
+        ]
     finally:
-        outbox.unreachable = None
         runtime.close()
 
 
@@ -322,14 +343,18 @@ def test_database_check_wants_the_dispatchers_postgresql_on_psycopg_3(
     sqlite = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}
     assert ids({"default": sqlite}) == ["outbox_dispatch.W002"]
 
+    parts = urlsplit(database_url)
+    user, _, host = parts.netloc.rpartition("@")
+    with_secret = urlunsplit(
+        parts._replace(netloc=f"{user.partition(':')[0] or 'postgres'}:s3cret@{host}")
+    )
     elsewhere = database_problems(
-        {"default": {**pg, "NAME": "shop_replica"}},
-        "default",
-        database_url.replace("postgres@", "postgres:s3cret@", 1),
+        {"default": {**pg, "NAME": "shop_replica"}}, "default", with_secret
     )
     assert [m.id for m in elsewhere] == ["outbox_dispatch.W004"]
     assert "never be claimed" in elsewhere[0].msg and "s3cret" not in elsewhere[0].msg
-    assert ids({"default": {**pg, "PORT": "5433"}}) == ["outbox_dispatch.W004"]
+    other_port = str(int(pg["PORT"] or 5432) + 1)
+    assert ids({"default": {**pg, "PORT": other_port}}) == ["outbox_dispatch.W004"]
     assert ids({"default": {**pg, "NAME": "shop_replica"}}, None) == []  # no dispatcher: no view
 
     from django.db.backends.postgresql import psycopg_any
