@@ -25,6 +25,10 @@ from .logs import event, mask_dsn
 
 log = logging.getLogger(__name__)
 
+# A heartbeat's slot renewal gives up this soon (a partition must not hang the heartbeat
+# thread past the slot's end): the holder can then stop before its slot runs out.
+RENEW_TIMEOUT = 1.0
+
 
 class CapsUnavailable(OutboxError):
     """Redis is unreachable, so capped rows cannot be claimed: they wait in Postgres until it is
@@ -41,6 +45,7 @@ class Slot:
     actor: str
     token: uuid.UUID
     cap: int
+    scope: str = ""  # "": the family's cap; else the command whose own cap this slot counts
 
 
 def _script(name: str) -> str:
@@ -58,6 +63,7 @@ class Caps:
         self.sentinel = f"{prefix}:caps:complete"
         self.wake_ms = max(1, int(wake_window * 1000))
         self._client: redis.Redis | None = None
+        self._renew_client: redis.Redis | None = None
         self._lock = threading.Lock()
         self._scripts: dict[str, Any] = {}
 
@@ -74,11 +80,30 @@ class Caps:
                     self._client = client
         return self._client
 
-    def key(self, family: str, actor: str) -> str:
-        return f"{self.prefix}:cap:{{{family}:{actor}}}"
+    @property
+    def renew_client(self) -> redis.Redis:
+        """The heartbeat's own connection, with short timeouts (see RENEW_TIMEOUT)."""
+        _ = self.client  # the scripts are registered there
+        if self._renew_client is None:
+            with self._lock:
+                if self._renew_client is None:
+                    self._renew_client = redis.Redis.from_url(
+                        self.redis_url,
+                        socket_timeout=RENEW_TIMEOUT,
+                        socket_connect_timeout=RENEW_TIMEOUT,
+                    )
+        return self._renew_client
 
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> int:
-        client = self.client
+    def key(self, family: str, actor: str, scope: str = "") -> str:
+        """One semaphore per cap as declared: the family's, or a command's own (``scope``).
+        The hash tag is the actor's either way, so an actor's keys share a cluster slot."""
+        base = f"{self.prefix}:cap:{{{family}:{actor}}}"
+        return f"{base}:cmd:{scope}" if scope else base
+
+    def _run(
+        self, name: str, keys: list[str], args: list[Any], client: redis.Redis | None = None
+    ) -> int:
+        client = client or self.client
         try:
             return int(self._scripts[name](keys=keys, args=args, client=client))
         except redis.RedisError as exc:
@@ -97,7 +122,7 @@ class Caps:
             with client.pipeline(transaction=False) as pipe:
                 for s in slots:
                     self._scripts["acquire"](
-                        keys=[self.key(s.family, s.actor), self.sentinel],
+                        keys=[self.key(s.family, s.actor, s.scope), self.sentinel],
                         args=[str(s.token), s.cap, ms],
                         client=pipe,
                     )
@@ -113,16 +138,29 @@ class Caps:
             raise CapsIncomplete()
         return [r == 1 for r in results]
 
-    def renew(self, family: str, actor: str, token: uuid.UUID, lease: float) -> int:
-        """1 renewed, 0 lapsed (another row may hold the slot), -1 semaphores being rebuilt."""
+    def renew(
+        self,
+        family: str,
+        actor: str,
+        token: uuid.UUID,
+        lease: float,
+        scope: str = "",
+        *,
+        heartbeat: bool = False,
+    ) -> int:
+        """1 renewed, 0 lapsed (another row may hold the slot), -1 semaphores being rebuilt.
+        ``heartbeat``: on the short-timeout connection."""
         return self._run(
-            "renew", [self.key(family, actor), self.sentinel], [str(token), int(lease * 1000)]
+            "renew",
+            [self.key(family, actor, scope), self.sentinel],
+            [str(token), int(lease * 1000)],
+            self.renew_client if heartbeat else None,
         )
 
     def freed_key(self, family: str) -> str:
         return f"{self.prefix}:caps:freed:{family}"
 
-    def release(self, family: str, actor: str, token: uuid.UUID) -> bool:
+    def release(self, family: str, actor: str, token: uuid.UUID, scope: str = "") -> bool:
         """Free the slot and note it for the claimer, which lets the actor's next waiting row in.
         Returns True when the caller should wake the claimer (once per wake window)."""
         try:
@@ -130,7 +168,7 @@ class Caps:
                 self._run(
                     "release",
                     [
-                        self.key(family, actor),
+                        self.key(family, actor, scope),
                         self.freed_key(family),
                         f"{self.prefix}:wake:{family}",
                     ],
@@ -157,7 +195,7 @@ class Caps:
         try:
             with self.client.pipeline(transaction=False) as pipe:
                 for s in slots:
-                    pipe.zrem(self.key(s.family, s.actor), str(s.token))
+                    pipe.zrem(self.key(s.family, s.actor, s.scope), str(s.token))
                 pipe.execute()
         except redis.RedisError as exc:
             event(
@@ -212,31 +250,34 @@ class Caps:
         except redis.RedisError as exc:
             raise CapsUnavailable(f"Redis at {mask_dsn(self.redis_url)}: {_why(exc)}") from exc
 
-    def restore(self, holders: Sequence[tuple[str, str, uuid.UUID, int]]) -> None:
-        """Put back (family, actor, token, remaining ms) holders, then mark the set complete."""
+    def restore(self, holders: Sequence[tuple[Slot, int]]) -> None:
+        """Put back (slot, remaining lease ms) holders, then mark the set complete."""
         client = self.client
         try:
             with client.pipeline(transaction=False) as pipe:
-                for family, actor, token, remaining in holders:
+                for slot, remaining in holders:
                     self._scripts["restore"](
-                        keys=[self.key(family, actor)], args=[str(token), remaining], client=pipe
+                        keys=[self.key(slot.family, slot.actor, slot.scope)],
+                        args=[str(slot.token), remaining],
+                        client=pipe,
                     )
                 pipe.set(self.sentinel, self._run_id())
                 pipe.execute()
         except redis.RedisError as exc:
             raise CapsUnavailable(f"cap rebuild failed: {_why(exc)}") from exc
 
-    def holders(self, family: str, actor: str) -> list[str]:
+    def holders(self, family: str, actor: str, scope: str = "") -> list[str]:
         """Live holder tokens (for status and tests)."""
         t = self.client.time()
         now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
-        raw = self.client.zrangebyscore(self.key(family, actor), now_ms, "+inf")
+        raw = self.client.zrangebyscore(self.key(family, actor, scope), now_ms, "+inf")
         return [m.decode() if isinstance(m, bytes) else str(m) for m in raw]
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        for client in (self._client, self._renew_client):
+            if client is not None:
+                client.close()
+        self._client = self._renew_client = None
 
 
 def _why(exc: BaseException) -> str:

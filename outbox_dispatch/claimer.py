@@ -23,13 +23,13 @@ from typing import Any
 from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .logs import event
-from .policy import Candidate, Family, broker_room, plan_capped_claim
-from .store import CappedDecision, Claimed, ClaimResult, Store
+from .policy import Candidate, CapRule, Family, broker_room, plan_capped_claim
+from .store import CappedDecision, Claimed, ClaimResult, Holder, Store
 
 log = logging.getLogger(__name__)
 
 Publisher = Callable[[Family, list[Claimed]], None]
-CapOf = Callable[[Family, str], int | None]
+CapRuleOf = Callable[[Family, str], CapRule | None]
 
 
 @dataclass
@@ -55,7 +55,9 @@ class Claimer:
         *,
         batch: int = 500,
         caps: Caps | None = None,
-        cap_of: CapOf = lambda family, command: family.per_actor,
+        cap_rule: CapRuleOf = lambda family, command: (
+            None if family.per_actor is None else CapRule("", family.per_actor)
+        ),
         is_capped: Callable[[Family], bool] = lambda family: family.per_actor is not None,
         queued: Callable[[Family], int] = lambda family: 0,
     ) -> None:
@@ -63,7 +65,7 @@ class Claimer:
         self.families = families
         self.batch = batch
         self.caps = caps
-        self.cap_of = cap_of
+        self.cap_rule = cap_rule
         self.is_capped = is_capped
         self.queued = queued
         self._passes = 0
@@ -127,14 +129,16 @@ class Claimer:
     def _claim_capped_once(self, family: Family, batch: int, caps: Caps) -> ClaimResult:
         taken: dict[int, Slot] = {}  # row id -> the slot granted for it
 
-        def cap_of(c: Candidate) -> int | None:
-            return None if c.actor is None else self.cap_of(family, c.command)
+        def rule(c: Candidate) -> CapRule | None:
+            return None if c.actor is None else self.cap_rule(family, c.command)
 
         def decide(candidates: list[Candidate], limit: int) -> CappedDecision:
-            plan = plan_capped_claim(candidates, cap_of, limit)
+            plan = plan_capped_claim(candidates, rule, limit)
             tokens = {c.id: uuid.uuid4() for c in plan.take}
-            capped = [c for c in plan.take if cap_of(c) is not None]
-            slots = [Slot(family.name, c.actor or "", tokens[c.id], cap_of(c) or 1) for c in capped]
+            capped = [(c, r) for c in plan.take if (r := rule(c)) is not None]
+            slots = [
+                Slot(family.name, c.actor or "", tokens[c.id], r.limit, r.scope) for c, r in capped
+            ]
             wait = [c.id for c in plan.wait]
             try:
                 granted = caps.acquire_many(slots, family.lease)
@@ -148,9 +152,11 @@ class Claimer:
                 granted = [False] * len(slots)
                 wait = []
             else:
-                wait += [c.id for c, ok in zip(capped, granted, strict=True) if not ok]
-            refused = {c.id for c, ok in zip(capped, granted, strict=True) if not ok}
-            taken.update({c.id: s for c, s, ok in zip(capped, slots, granted, strict=True) if ok})
+                wait += [c.id for (c, _), ok in zip(capped, granted, strict=True) if not ok]
+            refused = {c.id for (c, _), ok in zip(capped, granted, strict=True) if not ok}
+            taken.update(
+                {c.id: s for (c, _), s, ok in zip(capped, slots, granted, strict=True) if ok}
+            )
             return [(c.id, tokens[c.id]) for c in plan.take if c.id not in refused], wait
 
         try:
@@ -168,10 +174,26 @@ class Claimer:
         return result
 
     def rebuild_caps(self) -> int:
-        assert self.caps is not None
+        """Restore every live lease's slot, each for what is left of its own lease."""
+        caps = self.caps
+        assert caps is not None
         capped = [f for f in self.families.values() if self.is_capped(f)]
-        lease = max((f.lease for f in capped), default=60.0)
-        return self.store.rebuild_caps([f.name for f in capped], self.caps.restore, lease)
+
+        def slots(holders: list[Holder]) -> list[tuple[Slot, int]]:
+            found = []
+            for h in holders:
+                r = self.cap_rule(self.families[h.family], h.command)
+                if r is not None:
+                    found.append(
+                        (Slot(h.family, h.actor, h.token, r.limit, r.scope), h.remaining_ms)
+                    )
+            return found
+
+        return self.store.rebuild_caps(
+            [f.name for f in capped],
+            lambda holders: caps.restore(slots(holders)),
+            lambda gone: caps.release_many([slot for slot, _ in slots(gone)]),
+        )
 
     # -- the claim loop ---------------------------------------------------------------------
 
@@ -209,6 +231,16 @@ class Claimer:
                     result = self.claim_family(family, batch=min(self.batch, room))
                 except CapsUnavailable as exc:
                     event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
+                    continue
+                except CapsIncomplete:  # lost again right after the rebuild: next pass
+                    event(
+                        log,
+                        logging.WARNING,
+                        "caps_incomplete",
+                        "Redis lost the cap semaphores again during the rebuild; capped rows "
+                        "are claimed in the next pass",
+                        family=family.name,
+                    )
                     continue
                 if result.claimed:
                     publish(family, result.claimed)

@@ -14,12 +14,12 @@ from typing import Any
 from uuid import UUID
 
 from . import metrics, tracing
-from .caps import Caps, CapsUnavailable
+from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable
 from .errors import PermanentFailure
 from .handlers import Context, HandlerFn, Registration, Registry
-from .heartbeat import Heartbeats, Running
+from .heartbeat import TICK, Heartbeats, Running, SlotState, StopReason
 from .logs import event, mask_dsn
-from .policy import Family, Verdict, decide_failure
+from .policy import CapRule, Family, Verdict, decide_failure
 from .settler import Settler
 from .store import Conn, Started, Store
 
@@ -79,6 +79,15 @@ class _Cancelled(Exception):
     """Unwinds a transactional handler's transaction when its row was cancelled."""
 
 
+class _Stopped(Exception):
+    """Unwinds a transactional handler's transaction when it returned after being told to
+    stop: its writes are rolled back and the row is retried."""
+
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
 def describe_error(exc: BaseException) -> str:
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     return mask_dsn(text)[:MAX_ERROR_LENGTH]  # a handler's own DB error may quote its URL
@@ -92,7 +101,9 @@ class Delivery:
         families: Mapping[str, Family],
         *,
         caps: Caps | None = None,
-        cap_of: Callable[[Family, str], int | None] = lambda family, command: family.per_actor,
+        cap_rule: Callable[[Family, str], CapRule | None] = lambda family, command: (
+            None if family.per_actor is None else CapRule("", family.per_actor)
+        ),
         wake: Callable[[str], None] = lambda family: None,
         rand: Callable[[], float] = random.random,
     ) -> None:
@@ -100,7 +111,7 @@ class Delivery:
         self.registry = registry
         self.families = families
         self.caps = caps
-        self.cap_of = cap_of
+        self.cap_rule = cap_rule
         self.wake = wake
         self.rand = rand
         self.heartbeats = Heartbeats(store)
@@ -132,7 +143,7 @@ class Delivery:
         another, settle the successes in one statement (failures, cancels and transactional
         rows settle one by one). If the worker dies mid-batch, every unsettled row of the
         batch counts as started: its next attempt runs with maybe_applied set."""
-        started = self.store.begin_many(pairs, self._lease_for(family_hint))
+        started = self.store.begin_many(pairs, self._run_lease_for(family_hint))
         began = {s.id for s in started}
         results = [
             Result(Outcome.STALE, row_id, "stale in batch")
@@ -148,8 +159,8 @@ class Delivery:
             if family is None or reg is None or reg.fn is None or s.cancel_requested:
                 results.append(self._start_checked(s, family))
                 continue
-            _ctx, running = self._context(s, family, reg.transactional)
-            running.deadline = None  # each row's time limit starts with its own handler
+            _ctx, running = self._context(s, family)
+            running.soft_deadline = running.deadline = None  # each row's limit starts with it
             self.heartbeats.add(running)
             entries.append((s, reg, running))
         done: list[Started] = []
@@ -159,10 +170,10 @@ class Delivery:
                 assert reg.fn is not None
                 metrics.started(s.family, s.waited)
                 t0 = time.perf_counter()
-                running.deadline = _deadline(family)
+                running.soft_deadline, running.deadline = _deadlines(family)
                 with tracing.delivery_span(s) as span:
                     span.set_attribute("outbox.batch", True)
-                    result = self._run_in_batch(s, family, reg, running.ctx)
+                    result = self._run_in_batch(s, family, reg, running)
                     if result is None:
                         done.append(s)
                     else:
@@ -171,24 +182,24 @@ class Delivery:
                 metrics.handled(s.family, s.command, time.perf_counter() - t0)
             results += self._settle_successes(done)
         finally:
-            for s, _, _ in entries:
-                self.heartbeats.remove(s.id)
+            for _, _, running in entries:
+                self.heartbeats.remove(running)
         return results
 
     def _run_in_batch(
-        self, s: Started, family: Family, reg: Registration, ctx: Context
+        self, s: Started, family: Family, reg: Registration, running: Running
     ) -> Result | None:
         """One row of a batch; None when its handler succeeded (settled with the others)."""
         assert reg.fn is not None
         if reg.transactional:
-            return self._run_in_transaction(s, family, reg.fn, ctx)
+            return self._run_in_transaction(s, family, reg.fn, running)
         try:
-            reg.fn(ctx, s.payload)
+            reg.fn(running.ctx, s.payload)
         except PermanentFailure as exc:
             return self._park(s, family, describe_error(exc))
         except Exception as exc:
-            return self._failed(s, family, exc)
-        return None
+            return self._failed(s, family, exc, running.stop_reason())
+        return self._stopped(s, family, running)
 
     def _settle_successes(self, done: list[Started]) -> list[Result]:
         results: list[Result] = []
@@ -224,9 +235,8 @@ class Delivery:
             "register it with @dispatcher.handler and run `outbox-dispatch parked retry`",
         )
 
-    def _context(
-        self, started: Started, family: Family, transactional: bool
-    ) -> tuple[Context, Running]:
+    def _context(self, started: Started, family: Family) -> tuple[Context, Running]:
+        key = (started.id, started.token)
         ctx = Context(
             row_id=started.id,
             family=started.family,
@@ -235,24 +245,24 @@ class Delivery:
             attempt=started.attempts,
             idempotency_key=started.dedupe_key or f"outbox:{started.id}",
             maybe_applied=started.maybe_applied,
-            _beat=lambda progress: self.heartbeats.beat_now(started.id, progress),
+            _beat=lambda progress: self.heartbeats.beat_now(key, progress),
         )
+        soft, hard = _deadlines(family)
         running = Running(
             ctx=ctx,
             token=started.token,
-            lease=family.lease,
-            transactional=transactional,
+            run_lease=family.heartbeat_timeout,
             renew_slot=self._slot_renewer(started, family),
-            next_at=time.monotonic() + family.lease / 3,
-            deadline=_deadline(family),
+            next_at=time.monotonic() + family.heartbeat_timeout / 3,
+            soft_deadline=soft,
+            deadline=hard,
         )
         return ctx, running
 
     def deliver(
         self, row_id: int, token: UUID, *, family_hint: str | None = None, defer: bool = False
     ) -> Result:
-        lease = self._lease_for(family_hint)
-        started = self.store.begin(row_id, token, lease)
+        started = self.store.begin(row_id, token, self._run_lease_for(family_hint))
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
@@ -263,35 +273,38 @@ class Delivery:
         reg = self.registry.registration(started.command)
         if family is None or reg is None or reg.fn is None or started.cancel_requested:
             return self._start_checked(started, family)
-        ctx, running = self._context(started, family, reg.transactional)
+        _ctx, running = self._context(started, family)
         self.heartbeats.add(running)
         metrics.started(started.family, started.waited)
         t0 = time.perf_counter()
         with tracing.delivery_span(started) as span:
             try:
                 if reg.transactional:
-                    result = self._run_in_transaction(started, family, reg.fn, ctx)
+                    result = self._run_in_transaction(started, family, reg.fn, running)
                 else:
-                    result = self._run(started, family, reg.fn, ctx, defer=defer)
+                    result = self._run(started, family, reg.fn, running, defer=defer)
             finally:
-                self.heartbeats.remove(started.id)
+                self.heartbeats.remove(running)
                 metrics.handled(started.family, started.command, time.perf_counter() - t0)
             tracing.finish(span, result.outcome.value, result.detail)
         return result
 
     def _run(
-        self, started: Started, family: Family, fn: HandlerFn, ctx: Context, *, defer: bool
+        self, started: Started, family: Family, fn: HandlerFn, running: Running, *, defer: bool
     ) -> Result:
         fields = _fields(started)
         event(log, logging.DEBUG, "handler_started", "running handler", **fields)
         t0 = time.perf_counter()
         try:
-            fn(ctx, started.payload)
+            fn(running.ctx, started.payload)
         except PermanentFailure as exc:
             return self._park(started, family, describe_error(exc))
         except Exception as exc:
-            return self._failed(started, family, exc)
+            return self._failed(started, family, exc, running.stop_reason())
         elapsed = time.perf_counter() - t0
+        stopped = self._stopped(started, family, running)
+        if stopped is not None:
+            return stopped
         if defer and not family.ordered and not self._capped(started, family):
             # nothing waits on this settle (no cap slot, no ordered line): off the hot path
             self.settler.add("done" if family.retention > 0 else "delete", started)
@@ -311,13 +324,14 @@ class Delivery:
         self._succeeded(started, self.families.get(started.family) or Family(started.family), 0)
 
     def _run_in_transaction(
-        self, started: Started, family: Family, fn: HandlerFn, ctx: Context
+        self, started: Started, family: Family, fn: HandlerFn, running: Running
     ) -> Result:
-        """The handler's writes and the row's settle commit together, under the row's lock,
-        or not at all: exactly-once effects for work that stays in Postgres."""
+        """The handler's writes and the row's settle commit together, fenced by the claim
+        token, or not at all: exactly-once effects for work that stays in Postgres."""
         t0 = time.perf_counter()
+        ctx = running.ctx
         try:
-            with self.store.locked_row(started.id, started.token) as held:
+            with self.store.handler_transaction(started.id, started.token) as held:
                 if held is None:
                     return self._lost(started)
                 conn, cancel = held
@@ -325,6 +339,11 @@ class Delivery:
                     raise _Cancelled()
                 ctx.conn = conn
                 fn(ctx, started.payload)
+                reason = running.stop_reason()
+                if reason is StopReason.CANCEL_REQUESTED:
+                    raise _Cancelled()
+                if reason is not None:
+                    raise _Stopped(reason)  # roll the handler's writes back, then retry
                 kind = "done" if family.retention > 0 else "delete"
                 settled = self._settle(
                     kind, started, family, conn=conn, release=False, or_cancel=False
@@ -333,10 +352,12 @@ class Delivery:
                     raise _Cancelled()  # a cancel request arrived: undo the handler's writes
         except _Cancelled:
             return self._cancelled(started, family)
+        except _Stopped as stop:
+            return self._failed(started, family, None, stop.reason, maybe_applied=False)
         except PermanentFailure as exc:
             return self._park(started, family, describe_error(exc))
         except Exception as exc:
-            return self._failed(started, family, exc)
+            return self._failed(started, family, exc, running.stop_reason())
         finally:
             ctx.conn = None
         self._release(started, family)
@@ -348,6 +369,16 @@ class Delivery:
             **_fields(started),
         )
         return Result(Outcome.DELIVERED, started.id)
+
+    def _stopped(self, started: Started, family: Family, running: Running) -> Result | None:
+        """A handler that returned after it was told to stop did not finish on its own terms
+        (invariant 12): retried, or parked when attempts ran out, never settled as delivered.
+        Its effects are unknown, so the next attempt sees maybe_applied. After a cancel
+        request the return settles as usual: the settle records the cancel."""
+        reason = running.stop_reason()
+        if reason is None or reason is StopReason.CANCEL_REQUESTED:
+            return None
+        return self._failed(started, family, None, reason, maybe_applied=True)
 
     def _succeeded(self, started: Started, family: Family, elapsed: float) -> Result:
         kind = "done" if family.retention > 0 else "delete"
@@ -376,32 +407,35 @@ class Delivery:
 
     # -- leases and slots -------------------------------------------------------------------
 
-    def _lease_for(self, family_hint: str | None) -> float:
-        # The begin statement renews the lease before the row's family is known; the queue the
-        # message came from names it, else the longest lease is the safe choice.
+    def _run_lease_for(self, family_hint: str | None) -> float:
+        # The begin statement sets the running lease before the row's family is known; the
+        # queue the message came from names it, else the longest timeout is the safe choice.
         if family_hint and family_hint in self.families:
-            return self.families[family_hint].lease
-        return max(f.lease for f in self.families.values())
+            return self.families[family_hint].heartbeat_timeout
+        return max(f.heartbeat_timeout for f in self.families.values())
+
+    def _rule(self, started: Started, family: Family) -> CapRule | None:
+        """The cap this row's slot counts against, when it took one: an actor, and a cap for
+        its command (a family may cap some commands and not others)."""
+        if self.caps is None or started.actor is None:
+            return None
+        return self.cap_rule(family, started.command)
 
     def _capped(self, started: Started, family: Family) -> bool:
-        """Whether this row took a cap slot: an actor, and a cap for its command (a family may
-        cap some commands and not others)."""
-        return (
-            self.caps is not None
-            and started.actor is not None
-            and not family.ordered
-            and self.cap_of(family, started.command) is not None
-        )
+        return self._rule(started, family) is not None
 
     def _slot_still_held(self, started: Started, family: Family) -> bool:
         """A capped row may only start while its slot is live: if the slot lapsed, another row
         of the actor may hold it now, so the row goes back, due, uncounted."""
-        if not self._capped(started, family):
+        rule = self._rule(started, family)
+        if rule is None:
             return True
         assert self.caps is not None
         assert started.actor is not None
         try:
-            state = self.caps.renew(started.family, started.actor, started.token, family.lease)
+            state = self.caps.renew(
+                started.family, started.actor, started.token, family.heartbeat_timeout, rule.scope
+            )
         except CapsUnavailable as exc:
             # Without Redis the slot cannot be checked: the row goes back and waits in Postgres.
             self.store.handback(started.id, started.token)
@@ -425,21 +459,48 @@ class Delivery:
             return False
         return True
 
-    def _slot_renewer(self, started: Started, family: Family) -> Callable[[], bool] | None:
-        """Renews the row's cap slot; False when the slot lapsed (another row of the actor may
-        hold it now), which tells the handler to stop."""
-        if not self._capped(started, family):
+    def _slot_renewer(self, started: Started, family: Family) -> Callable[[], SlotState] | None:
+        """Renews the row's cap slot. While Redis cannot be reached the slot runs on until its
+        last renewal's lease ends, and the row's lease is not renewed past it; a renewal
+        before that end that still fails reports the slot LAPSED, so the handler stops before
+        the claimer (which may reach Redis) can grant the slot to another row of the actor."""
+        rule = self._rule(started, family)
+        if rule is None:
             return None
         caps, actor = self.caps, started.actor
         assert caps is not None
         assert actor is not None
+        timeout = family.heartbeat_timeout
+        # The begin renewed the slot just before this runs. Renewals start every timeout/3
+        # (give or take a tick) and give up after RENEW_TIMEOUT, so a failure that leaves less
+        # than this margin is the last one before the slot's end.
+        until = [time.monotonic() + timeout]
+        margin = timeout / 3 + 2 * TICK + RENEW_TIMEOUT
 
-        def renew() -> bool:
+        def renew() -> SlotState:
+            t0 = time.monotonic()
             try:
-                return caps.renew(started.family, actor, started.token, family.lease) != 0
+                state = caps.renew(
+                    started.family, actor, started.token, timeout, rule.scope, heartbeat=True
+                )
             except CapsUnavailable as exc:
+                if time.monotonic() + margin >= until[0]:
+                    event(
+                        log,
+                        logging.WARNING,
+                        "caps_unavailable",
+                        f"{exc}; the slot cannot be renewed before it runs out: stopping",
+                        **_fields(started),
+                    )
+                    return SlotState.LAPSED
                 event(log, logging.WARNING, "caps_unavailable", str(exc), **_fields(started))
-                return True  # unknown: the Postgres lease still fences the settle
+                return SlotState.UNKNOWN
+            if state == 0:
+                return SlotState.LAPSED
+            # 1 renewed; -1 the semaphores are being rebuilt from the live leases in Postgres,
+            # ours among them, and no slot is granted until then
+            until[0] = t0 + timeout
+            return SlotState.HELD
 
         return renew
 
@@ -456,6 +517,7 @@ class Delivery:
         conn: Conn | None = None,
         release: bool = True,
         or_cancel: bool = True,
+        maybe_applied: bool = False,
     ) -> str | None:
         """Settle fenced by the token (a pending cancel request wins); then free the cap slot
         so the claimer lets one waiting row of the actor in."""
@@ -471,6 +533,7 @@ class Delivery:
                 error=error,
                 conn=conn,
                 or_cancel=or_cancel,
+                maybe_applied=maybe_applied,
             )
         else:
             ok = self.store.settle(
@@ -481,6 +544,7 @@ class Delivery:
                 error=error,
                 conn=conn,
                 or_cancel=or_cancel,
+                maybe_applied=maybe_applied,
             )
         if release:
             self._release(started, family)
@@ -488,23 +552,36 @@ class Delivery:
 
     def _release(self, started: Started, family: Family | None) -> None:
         # only after the settle committed: the slot covers the row until it is settled
-        if family is not None and self._capped(started, family):
+        rule = None if family is None else self._rule(started, family)
+        if rule is not None:
             assert self.caps is not None
             assert started.actor is not None
-            if self.caps.release(started.family, started.actor, started.token):
+            if self.caps.release(started.family, started.actor, started.token, rule.scope):
                 self.wake(started.family)
 
-    def _failed(self, started: Started, family: Family, exc: Exception) -> Result:
-        error = describe_error(exc)
-        if type(exc).__name__ == "SoftTimeLimitExceeded":  # billiard's, raised by prefork
-            error = (
-                f"handler ran past the family's time_limit of {family.time_limit:g} s and was "
-                "interrupted; make it faster, or raise time_limit"
-            )
+    def _failed(
+        self,
+        started: Started,
+        family: Family,
+        exc: Exception | None,
+        reason: StopReason | None = None,
+        *,
+        maybe_applied: bool = False,
+    ) -> Result:
+        """A failed attempt (``exc``), or one that returned after being told to stop
+        (``reason``): retried after backoff, or parked when attempts ran out."""
+        error = _error_text(family, exc, reason)
         decision = decide_failure(family, started.attempts, self.rand())
         if decision.verdict is Verdict.PARK:
             return self._park(started, family, error)
-        applied = self._settle("retry", started, family, delay=decision.delay, error=error)
+        applied = self._settle(
+            "retry",
+            started,
+            family,
+            delay=decision.delay,
+            error=error,
+            maybe_applied=maybe_applied,
+        )
         if applied == "cancel":
             return self._was_cancelled(started)
         if applied:
@@ -545,11 +622,33 @@ class Delivery:
         return Result(Outcome.LOST, started.id)
 
 
-def _deadline(family: Family) -> float | None:
-    """When the heartbeat stops renewing a handler's lease: at the hard limit, so a prefork
-    worker kills a handler that swallowed the soft limit before its row can be claimed again."""
+def _deadlines(family: Family) -> tuple[float | None, float | None]:
+    """When a handler is told to stop (the time limit), and when the heartbeat stops renewing
+    its lease: at the hard limit, so a prefork worker kills a handler that swallowed the soft
+    limit before its row can be claimed again."""
     hard = family.hard_time_limit()
-    return None if hard is None else time.monotonic() + hard
+    if family.time_limit is None or hard is None:
+        return None, None
+    now = time.monotonic()
+    return now + family.time_limit, now + hard
+
+
+def _error_text(family: Family, exc: Exception | None, reason: StopReason | None) -> str:
+    timed_out = reason is StopReason.TIME_LIMIT or (
+        exc is not None and type(exc).__name__ == "SoftTimeLimitExceeded"  # billiard's (prefork)
+    )
+    if timed_out:
+        return (
+            f"handler ran past the family's time_limit of {family.time_limit:g} s and was "
+            "told to stop; make it faster, or raise time_limit"
+        )
+    if exc is None:
+        assert reason is not None
+        return f"attempt stopped before it finished: {reason.value}"
+    text = describe_error(exc)
+    if reason is not None and reason is not StopReason.CANCEL_REQUESTED:
+        return f"{text} (after being told to stop: {reason.value})"
+    return text
 
 
 def _fields(s: Started) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -16,12 +17,20 @@ from .caps import Caps
 from .claimer import Claimer, ClaimReport
 from .cron import CatchUp, Schedule
 from .delivery import Delivery, Outcome, Result
-from .errors import ConfigurationError, DrainLoop, DrainTimeout, InvalidArgument, UnknownFamily
+from .errors import (
+    ConfigurationError,
+    DrainLoop,
+    DrainTimeout,
+    InvalidArgument,
+    MaintenanceFailed,
+    OutboxError,
+    UnknownFamily,
+)
 from .handlers import HandlerFn, Registration, Registry
 from .logs import event, mask_dsn
 from .migrations import migrate
 from .naming import family_name, identifier
-from .policy import Backoff, Family, LostAttempt, builtin_families
+from .policy import Backoff, CapRule, Family, LostAttempt, builtin_families, cap_rule
 from .publisher import Publisher
 from .store import Claimed, Conn, FamilyStatus, Store
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
@@ -108,7 +117,7 @@ class Dispatcher:
             self.families,
             batch=claim_batch,
             caps=self.caps,
-            cap_of=self.cap_of,
+            cap_rule=self.cap_rule,
             is_capped=self.is_capped,
             queued=self._queued,
         )
@@ -117,7 +126,7 @@ class Dispatcher:
             self.registry,
             self.families,
             caps=self.caps,
-            cap_of=self.cap_of,
+            cap_rule=self.cap_rule,
             wake=self.wake,
         )
 
@@ -174,6 +183,7 @@ class Dispatcher:
         batch: int = 1,
         time_limit: float | timedelta | None = None,
         max_lost: int = 5,
+        heartbeat_timeout: float | timedelta = 30.0,
     ) -> Family:
         """Declare a family (its own queue ``<prefix>.<name>``) or replace a family's policy.
 
@@ -182,6 +192,11 @@ class Dispatcher:
         its actor's line unless ``parked_blocks=False``.
         ``time_limit``: a handler running longer has its attempt ended (a failure: retried or
         parked); prefork workers raise inside the handler, then kill it a little later.
+        ``lease``: how long a claimed row's message may wait in the queue before it starts.
+        ``heartbeat_timeout``: how long a started attempt may go without a heartbeat (sent
+        every third of it while the handler runs) before it counts as lost and runs again.
+        ``retention``: how long settled rows are kept (dedupe keys hold while the row is
+        kept); ``math.inf`` or ``timedelta.max`` keeps them forever.
         """
         family_name(name)
         if per_actor is not None:
@@ -190,8 +205,13 @@ class Dispatcher:
             lost = LostAttempt(on_lost)
         except ValueError as exc:
             raise ConfigurationError(f"on_lost must be 'retry' or 'park', got {on_lost!r}") from exc
-        keep = retention.total_seconds() if isinstance(retention, timedelta) else float(retention)
+        keep = _retention_seconds(retention)
         limit = time_limit.total_seconds() if isinstance(time_limit, timedelta) else time_limit
+        beat = (
+            heartbeat_timeout.total_seconds()
+            if isinstance(heartbeat_timeout, timedelta)
+            else heartbeat_timeout
+        )
         fam = Family(
             name,
             max_attempts=max_attempts,
@@ -206,6 +226,7 @@ class Dispatcher:
             batch=batch,
             time_limit=limit,
             max_lost=max_lost,
+            heartbeat_timeout=beat,
         )
         if (fam.ordered or fam.batch > 1) and self.registry.capped_commands(name):
             raise ConfigurationError(
@@ -262,9 +283,9 @@ class Dispatcher:
             return False
         return family.per_actor is not None or self.registry.capped_commands(family.name)
 
-    def cap_of(self, family: Family, command: str) -> int | None:
-        override = self.registry.cap_override(command)
-        return override if override is not None else family.per_actor
+    def cap_rule(self, family: Family, command: str) -> CapRule | None:
+        """The cap a row of ``command`` counts against, or None when it is not capped."""
+        return cap_rule(family, command, self.registry.cap_override(command))
 
     def wake(self, family: str) -> None:
         """Ask for a claim pass of ``family`` now (a slot freed; the release script coalesces
@@ -542,30 +563,75 @@ class Dispatcher:
         far)`` is called after each batch that deleted something."""
         size = batch or self.prune_batch
         deleted: dict[str, int] = {}
+        failed: list[str] = []
         for fam in list(self.families.values()):
-            total = 0
-            for _ in range(max_batches):
-                n = self.store.prune(fam.name, fam.retention, size)
-                total += n
-                if n and progress is not None:
-                    progress(fam.name, total)
-                if n < size:
-                    break
+            try:  # one family's failure must not stop the others' maintenance
+                total = self._maintain(fam, size, max_batches, progress)
+            except OutboxError as exc:
+                failed.append(fam.name)
+                event(
+                    log,
+                    logging.ERROR,
+                    "maintenance_failed",
+                    f"{exc}; the other families are maintained, this one is tried next pass",
+                    family=fam.name,
+                )
+                continue
             if total:
                 deleted[fam.name] = total
-                event(log, logging.INFO, "pruned", f"{total} settled rows", family=fam.name)
-            if fam.ordered:  # repair lines a crash left without a head
-                promoted = self.store.sweep_heads(fam.name, fam.parked_blocks)
-                if promoted:
-                    event(
-                        log,
-                        logging.WARNING,
-                        "heads_repaired",
-                        f"{len(promoted)} ordered actors had no head",
-                        family=fam.name,
-                    )
-        self.store.prune_cancel_requests()
+        try:
+            self.store.prune_cancel_requests()
+        except OutboxError as exc:
+            failed.append("cancel requests")
+            event(log, logging.ERROR, "maintenance_failed", f"cancel request cleanup: {exc}")
+        if failed:
+            raise MaintenanceFailed(
+                f"maintenance failed for {', '.join(failed)} (the others were done): see the "
+                "log's maintenance_failed events"
+            )
         return deleted
+
+    def _maintain(
+        self,
+        fam: Family,
+        size: int,
+        max_batches: int,
+        progress: Callable[[str, int], None] | None,
+    ) -> int:
+        """One family's pass: prune past retention, repair ordered lines a crash left without
+        a head, and let blocked rows of a family that is no longer ordered go."""
+        total = 0
+        for _ in range(max_batches if math.isfinite(fam.retention) else 0):
+            n = self.store.prune(fam.name, fam.retention, size)
+            total += n
+            if n and progress is not None:
+                progress(fam.name, total)
+            if n < size:
+                break
+        if total:
+            event(log, logging.INFO, "pruned", f"{total} settled rows", family=fam.name)
+        if fam.ordered:
+            promoted = self.store.sweep_heads(fam.name, fam.parked_blocks)
+            if promoted:
+                event(
+                    log,
+                    logging.WARNING,
+                    "heads_repaired",
+                    f"{len(promoted)} ordered actors had no head",
+                    family=fam.name,
+                )
+        else:
+            released = self.store.unblock(fam.name, size)
+            if released:
+                event(
+                    log,
+                    logging.WARNING,
+                    "unblocked",
+                    f"{released} rows were blocked behind an ordered head, but the family is "
+                    "not ordered any more: they are due",
+                    family=fam.name,
+                )
+        return total
 
     def cron(
         self,
@@ -632,6 +698,17 @@ class Dispatcher:
         self.store.close()
         if self.caps is not None:
             self.caps.close()
+
+
+def _retention_seconds(retention: object) -> float:
+    """Seconds to keep settled rows; ``timedelta.max`` and ``math.inf`` mean forever."""
+    if isinstance(retention, timedelta):
+        return math.inf if retention == timedelta.max else retention.total_seconds()
+    if isinstance(retention, bool) or not isinstance(retention, int | float):
+        raise ConfigurationError(
+            f"retention must be seconds or a timedelta, got {type(retention).__name__}"
+        )
+    return float(retention)
 
 
 def _check_database_url(url: str) -> None:

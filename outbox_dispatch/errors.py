@@ -53,6 +53,16 @@ class DatabaseError(OutboxError):
     """Postgres failed the request: check that it is reachable and the schema is migrated."""
 
 
+class MaintenanceFailed(OutboxError):
+    """A maintenance pass (prune, ordered-head repair, cancel cleanup) failed for some families;
+    the others were maintained. The log's maintenance_failed events say which and why."""
+
+
+class IsolationNotSupported(OutboxError):
+    """An ordered family's rows were enqueued or cancelled in a transaction whose snapshot may
+    predate another producer's commit (REPEATABLE READ or SERIALIZABLE): use READ COMMITTED."""
+
+
 class DrainError(OutboxError):
     """drain() could not empty the outbox."""
 

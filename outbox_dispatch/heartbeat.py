@@ -1,7 +1,11 @@
-"""Lease heartbeats for running handlers: one thread per process renews, every lease/3, the
-leases (and cap slots) of every handler still running, and tells a handler when its claim was
-lost or someone asked to cancel it. Short handlers finish before their first renewal, so they
-cost a dict insert and delete."""
+"""Lease heartbeats for running handlers: one thread per process renews, every third of the
+family's heartbeat timeout, the leases (and cap slots) of every handler still running, and
+tells a handler to stop, with the reason, when it must. Short handlers finish before their
+first renewal, so they cost a dict insert and delete.
+
+Entries are keyed by (row id, claim token): in a threads pool a stale attempt and the
+re-claim of its row can run in one process, and one must not end the other's heartbeat.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import Enum, StrEnum
 from typing import Any
 from uuid import UUID
 
@@ -23,31 +28,68 @@ log = logging.getLogger(__name__)
 
 TICK = 0.25  # how often the thread looks for leases to renew
 
+Key = tuple[int, UUID]
+
+
+class StopReason(StrEnum):
+    """Why a handler was told to stop (``ctx.is_cancelled``), and so what its return means.
+
+    Only CANCEL_REQUESTED lets a handler's normal return settle the row (as cancelled); after
+    any other reason the attempt did not finish on its own terms: it is retried (or parked
+    when attempts ran out), never settled as delivered.
+    """
+
+    CANCEL_REQUESTED = "the row was cancelled"
+    TIME_LIMIT = "the handler ran past its family's time_limit"
+    SLOT_LAPSED = "the row's cap slot lapsed (another row of the actor may hold it now)"
+    CLAIM_LOST = "the claim was lost (the lease ran out and the row is due again)"
+
+
+class SlotState(Enum):
+    HELD = "held"  # renewed: renew the row's lease too
+    UNKNOWN = "unknown"  # Redis unreachable, the slot still runs: leave the row's lease as is
+    LAPSED = "lapsed"  # gone, or about to run out unrenewed: the attempt must stop
+
 
 @dataclass
 class Running:
     ctx: Context
     token: UUID
-    lease: float
-    transactional: bool  # its own transaction holds the row: renew the slot, not the row
-    renew_slot: Callable[[], bool] | None
+    run_lease: float  # the family's heartbeat timeout: each renewal extends the lease this far
+    renew_slot: Callable[[], SlotState] | None
     next_at: float
     progress: Any = None
-    cancel_requested: bool = field(default=False)
-    deadline: float | None = None  # monotonic time past which the attempt is ended
+    stop: StopReason | None = None
+    holds: bool = True  # False once the lease is not renewed any more (lost, lapsed, overrun)
+    soft_deadline: float | None = None  # monotonic: past it the handler is told to stop
+    deadline: float | None = None  # monotonic: past it the lease is not renewed any more
+
+    @property
+    def key(self) -> Key:
+        return (self.ctx.row_id, self.token)
+
+    def stop_reason(self, now: float | None = None) -> StopReason | None:
+        """Why this attempt must not count as delivered, if it must not: the flag the
+        heartbeat set, or a time limit that passed since its last tick."""
+        if self.stop is not None:
+            return self.stop
+        at = time.monotonic() if now is None else now
+        if self.soft_deadline is not None and at >= self.soft_deadline:
+            return StopReason.TIME_LIMIT
+        return None
 
 
 class Heartbeats:
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._running: dict[int, Running] = {}
+        self._running: dict[Key, Running] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = 0
 
     def add(self, entry: Running) -> None:
         with self._lock:
-            self._running[entry.ctx.row_id] = entry
+            self._running[entry.key] = entry
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                 self._pid = os.getpid()
                 self._thread = threading.Thread(
@@ -55,14 +97,18 @@ class Heartbeats:
                 )
                 self._thread.start()
 
-    def remove(self, row_id: int) -> None:
+    def remove(self, entry: Running) -> None:
         with self._lock:
-            self._running.pop(row_id, None)
+            if self._running.get(entry.key) is entry:
+                del self._running[entry.key]
 
-    def beat_now(self, row_id: int, progress: Any = None) -> bool:
-        """A handler's own ``ctx.heartbeat()``: renew at once; False if the claim is lost."""
+    def running(self, key: Key) -> Running | None:
         with self._lock:
-            entry = self._running.get(row_id)
+            return self._running.get(key)
+
+    def beat_now(self, key: Key, progress: Any = None) -> bool:
+        """A handler's own ``ctx.heartbeat()``: renew at once; False if it must stop."""
+        entry = self.running(key)
         if entry is None:
             return False
         if progress is not None:
@@ -88,54 +134,51 @@ class Heartbeats:
         now = time.monotonic()
         by_lease: dict[float, list[Running]] = {}
         for e in entries:
-            e.next_at = now + e.lease / 3
+            e.next_at = now + e.run_lease / 3
+            if not e.holds:
+                continue  # no longer a holder: its lease runs out
             if e.deadline is not None and now >= e.deadline:
                 # not renewed any more: the lease runs out and the row is claimed again, even
                 # when the pool cannot interrupt the handler (threads)
-                self._lost(e, "handler ran past its family's time_limit; its lease is not renewed")
+                self._stop(e, StopReason.TIME_LIMIT, holds=False)
                 continue
-            if e.renew_slot is not None and not e.renew_slot():
-                self._lost(e, "cap slot lapsed (another row of the actor may hold it now)")
-                continue
-            if e.transactional:
-                continue
-            by_lease.setdefault(e.lease, []).append(e)
+            if e.soft_deadline is not None and now >= e.soft_deadline:
+                self._stop(e, StopReason.TIME_LIMIT)
+            if e.renew_slot is not None:
+                state = e.renew_slot()
+                if state is SlotState.LAPSED:
+                    self._stop(e, StopReason.SLOT_LAPSED, holds=False)
+                    continue
+                if state is SlotState.UNKNOWN:
+                    continue  # the row's lease must not outlive a slot that cannot be renewed
+            by_lease.setdefault(e.run_lease, []).append(e)
         for lease, group in by_lease.items():
             held = self.store.renew([(e.ctx.row_id, e.token, e.progress) for e in group], lease)
             for e in group:
                 if e.ctx.row_id not in held:
-                    self._lost(e, "claim lost (lease ran out and the row was claimed again)")
+                    if self.running(e.key) is e:  # not a settle that just finished
+                        self._stop(e, StopReason.CLAIM_LOST, holds=False)
                 elif held[e.ctx.row_id]:
-                    self._cancel(e)
-        txn = [e for e in entries if e.transactional]
-        if txn:
-            for row_id in self.store.cancel_requested([e.ctx.row_id for e in txn]):
-                self._cancel(next(e for e in txn if e.ctx.row_id == row_id))
+                    self._stop(e, StopReason.CANCEL_REQUESTED)
 
-    def _lost(self, e: Running, why: str) -> None:
-        if not e.ctx.cancelled.is_set():
+    def _stop(self, e: Running, reason: StopReason, *, holds: bool = True) -> None:
+        """Tell the handler to stop. Its return is judged by the first reason, except that
+        any other reason outranks a cancel request (their retry settle honours the cancel
+        anyway). ``holds=False``: the lease is not renewed any more."""
+        if not holds:
+            e.holds = False
+        if e.stop is None or (
+            e.stop is StopReason.CANCEL_REQUESTED and reason is not StopReason.CANCEL_REQUESTED
+        ):
+            e.stop = reason
             e.ctx.cancelled.set()
+            cancel = reason is StopReason.CANCEL_REQUESTED
             event(
                 log,
-                logging.WARNING,
-                "lease_lost",
-                why,
-                row_id=e.ctx.row_id,
-                family=e.ctx.family,
-                command=e.ctx.command,
-                actor=e.ctx.actor,
-                attempt=e.ctx.attempt,
-            )
-
-    def _cancel(self, e: Running) -> None:
-        if not e.ctx.cancelled.is_set():
-            e.cancel_requested = True
-            e.ctx.cancelled.set()
-            event(
-                log,
-                logging.INFO,
-                "cancel_seen",
-                "handler asked to stop: row was cancelled",
+                logging.INFO if cancel else logging.WARNING,
+                "cancel_seen" if cancel else "handler_stopped",
+                f"handler told to stop: {reason.value}"
+                + ("" if holds else "; its lease is not renewed any more"),
                 row_id=e.ctx.row_id,
                 family=e.ctx.family,
                 command=e.ctx.command,
@@ -145,4 +188,8 @@ class Heartbeats:
 
 
 def _overdue(e: Running, now: float) -> bool:
-    return e.deadline is not None and now >= e.deadline and not e.ctx.cancelled.is_set()
+    """A time limit passed that was not acted on yet."""
+    if not e.holds:
+        return False
+    soft = e.soft_deadline is not None and now >= e.soft_deadline and e.stop is None
+    return soft or (e.deadline is not None and now >= e.deadline)

@@ -14,6 +14,22 @@ from enum import StrEnum
 from .errors import ConfigurationError
 from .naming import family_name
 
+# Bounds that keep every interval the SQL computes inside Postgres' timestamp range: a value
+# past them would fail in a statement, in the middle of a claim, settle or prune.
+MAX_LEASE = 30 * 86400.0  # 30 days
+MAX_RETENTION = 100 * 365.25 * 86400  # 100 years; math.inf keeps rows forever
+MAX_BACKOFF = 365.25 * 86400  # one year
+
+
+def _seconds_in(value: object, low: float, high: float) -> bool:
+    """A real number of seconds in [low, high] (NaN, inf and bools are not)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and low <= value <= high
+    )
+
 
 @dataclass(frozen=True)
 class Backoff:
@@ -26,8 +42,10 @@ class Backoff:
     def __post_init__(self) -> None:
         if not (self.base > 0 and math.isfinite(self.base)):
             raise ConfigurationError(f"backoff base must be a positive number, got {self.base!r}")
-        if not (self.cap >= self.base and math.isfinite(self.cap)):
-            raise ConfigurationError(f"backoff cap must be >= base, got {self.cap!r}")
+        if not (self.cap >= self.base and _seconds_in(self.cap, 0.0, MAX_BACKOFF)):
+            raise ConfigurationError(
+                f"backoff cap must be >= base and <= {MAX_BACKOFF:g} s, got {self.cap!r}"
+            )
         if not 0.0 <= self.jitter <= 1.0:
             raise ConfigurationError(f"backoff jitter must be in [0, 1], got {self.jitter!r}")
 
@@ -65,6 +83,9 @@ class Family:
     batch: int = 1  # rows per delivery message; > 1 trades per-row latency for throughput
     max_lost: int = 5  # consecutive attempts without an outcome before the row is parked
     time_limit: float | None = None  # seconds a handler may run before its attempt is ended
+    # seconds a started attempt may go without a heartbeat before it counts as lost; ``lease``
+    # is only how long a claimed message may wait in the queue before it starts
+    heartbeat_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         family_name(self.name)
@@ -74,21 +95,31 @@ class Family:
             raise ConfigurationError(
                 f"family {self.name!r}: max_attempts must be None (retry forever) or >= 1"
             )
-        if not (self.lease >= 1.0 and math.isfinite(self.lease)):
-            raise ConfigurationError(f"family {self.name!r}: lease must be >= 1 second")
+        if not _seconds_in(self.lease, 1.0, MAX_LEASE):
+            raise ConfigurationError(
+                f"family {self.name!r}: lease must be 1 s to {MAX_LEASE:g} s, got {self.lease!r}"
+            )
+        if not _seconds_in(self.heartbeat_timeout, 1.0, MAX_LEASE):
+            raise ConfigurationError(
+                f"family {self.name!r}: heartbeat_timeout must be 1 s to {MAX_LEASE:g} s, "
+                f"got {self.heartbeat_timeout!r}"
+            )
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise ConfigurationError(f"family {self.name!r}: max_in_flight must be >= 1")
         if self.per_actor is not None and (
             not isinstance(self.per_actor, int) or self.per_actor < 1
         ):
             raise ConfigurationError(f"family {self.name!r}: per_actor must be None or >= 1")
-        if self.retention < 0:
-            raise ConfigurationError(f"family {self.name!r}: retention must be >= 0 seconds")
+        if not (self.retention == math.inf or _seconds_in(self.retention, 0.0, MAX_RETENTION)):
+            raise ConfigurationError(
+                f"family {self.name!r}: retention must be 0 to {MAX_RETENTION:g} seconds, or "
+                f"math.inf (or timedelta.max) to keep settled rows forever; got {self.retention!r}"
+            )
         if self.time_limit is not None and not (
-            isinstance(self.time_limit, int | float) and 0 < self.time_limit < math.inf
+            _seconds_in(self.time_limit, 0.0, MAX_LEASE) and self.time_limit > 0
         ):
             raise ConfigurationError(
-                f"family {self.name!r}: time_limit must be None or a number of seconds > 0"
+                f"family {self.name!r}: time_limit must be None or 0 to {MAX_LEASE:g} seconds"
             )
         if not isinstance(self.max_lost, int) or self.max_lost < 1:
             raise ConfigurationError(f"family {self.name!r}: max_lost must be >= 1")
@@ -183,6 +214,28 @@ def refill_mark(max_in_flight: int) -> int:
 
 
 @dataclass(frozen=True)
+class CapRule:
+    """The cap a row's slot counts against: the family's (scope "") or its command's own, each
+    a semaphore of its own, so a command capped at 1 never waits behind another command's
+    slots of the same actor."""
+
+    scope: str
+    limit: int
+
+
+def cap_rule(family: Family, command: str, command_cap: int | None) -> CapRule | None:
+    """The one rule for whether a row is capped: ordered families run one row per actor and
+    take no slots; a command's own ``per_actor`` wins over its family's."""
+    if family.ordered:
+        return None
+    if command_cap is not None:
+        return CapRule(command, command_cap)
+    if family.per_actor is not None:
+        return CapRule("", family.per_actor)
+    return None
+
+
+@dataclass(frozen=True)
 class Candidate:
     """A due row of a capped family, as the capped claim sees it (rank 1 = actor's oldest)."""
 
@@ -200,7 +253,7 @@ class CappedPlan:
 
 
 def plan_capped_claim(
-    candidates: Sequence[Candidate], cap_of: Callable[[Candidate], int | None], limit: int
+    candidates: Sequence[Candidate], rule_of: Callable[[Candidate], CapRule | None], limit: int
 ) -> CappedPlan:
     """Which due rows a capped claim takes, given candidates in (rank, due) order.
 
@@ -211,16 +264,17 @@ def plan_capped_claim(
     """
     take: list[Candidate] = []
     wait: list[Candidate] = []
-    per_actor: Counter[str] = Counter()
+    per_slot: Counter[tuple[str, str]] = Counter()  # (actor, cap scope) -> rows taken
     for c in candidates:
-        cap = cap_of(c)
-        if c.actor is None or cap is None:
+        rule = rule_of(c)
+        if c.actor is None or rule is None:
             if len(take) < limit:
                 take.append(c)
             continue
-        if per_actor[c.actor] >= cap:
+        key = (c.actor, rule.scope)
+        if per_slot[key] >= rule.limit:
             wait.append(c)
         elif len(take) < limit:
             take.append(c)
-            per_actor[c.actor] += 1
+            per_slot[key] += 1
     return CappedPlan(take, wait)

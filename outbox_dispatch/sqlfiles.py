@@ -38,9 +38,18 @@ def raw_queries() -> dict[str, str]:
     return queries
 
 
-def queries_for(schema: str) -> dict[str, str]:
+_CLOCK = re.compile(r"\b(now|clock_timestamp)\(\)")
+
+
+def queries_for(schema: str, clock_offset: float = 0.0) -> dict[str, str]:
+    """The named queries for ``schema``. A ``clock_offset`` (tests only) moves every clock the
+    queries read by that many seconds, so a test can let leases run out without sleeping."""
     target = quoted(schema)
-    return {name: body.replace(SCHEMA_TOKEN, target) for name, body in raw_queries().items()}
+    queries = {name: body.replace(SCHEMA_TOKEN, target) for name, body in raw_queries().items()}
+    if clock_offset:
+        shift = f"interval '{float(clock_offset)!r} seconds'"
+        queries = {name: _CLOCK.sub(rf"(\1() + {shift})", q) for name, q in queries.items()}
+    return queries
 
 
 @cache

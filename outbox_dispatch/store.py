@@ -22,7 +22,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from .cron import Schedule, due_ticks
-from .errors import DatabaseError, SchemaNotReady
+from .errors import DatabaseError, IsolationNotSupported, SchemaNotReady
 from .logs import MaskDsnFilter, mask_dsn
 from .policy import Candidate, Family, LostAttempt, claim_limit
 from .sqlfiles import queries_for
@@ -52,6 +52,17 @@ class ClaimResult:
     limit: int
     waiting: int = 0
     parked_actors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A row whose live lease must hold a cap slot (what a caps rebuild restores)."""
+
+    family: str
+    actor: str
+    command: str
+    token: UUID
+    remaining_ms: int
 
 
 # What a capped claim's decision returns: rows to lease with their tokens, rows to set waiting.
@@ -121,34 +132,63 @@ class Store:
     """Named queries for one schema. The pool is opened lazily and rebuilt after a fork,
     because Celery's prefork children must not share their parent's sockets."""
 
-    def __init__(self, database_url: str, schema: str, *, pool_size: int = 4) -> None:
+    def __init__(
+        self, database_url: str, schema: str, *, pool_size: int = 4, handler_pool_size: int = 32
+    ) -> None:
         self.database_url = database_url
         self.schema = schema
+        self._clock_offset = 0.0
         self.q = queries_for(schema)
         self.channel = wake_channel(schema)
         self._pool_size = pool_size
+        self._handler_pool_size = handler_pool_size
         self._pool: ConnectionPool | None = None
+        self._handler_pool: ConnectionPool | None = None
         self._pid = 0
         self._lock = threading.Lock()
 
+    @property
+    def clock_offset(self) -> float:
+        """Seconds added to the database clock in every query (tests: leases run out without
+        sleeping). Always 0 outside tests."""
+        return self._clock_offset
+
+    @clock_offset.setter
+    def clock_offset(self, seconds: float) -> None:
+        self._clock_offset = float(seconds)
+        self.q = queries_for(self.schema, self._clock_offset)
+
     # -- connections -------------------------------------------------------------------------
 
-    def _get_pool(self) -> ConnectionPool:
+    def _get_pool(self, for_handlers: bool = False) -> ConnectionPool:
         pid = os.getpid()
-        if self._pool is None or self._pid != pid:
+        if self._pid != pid:
             with self._lock:
-                if self._pool is None or self._pid != pid:
-                    _mask_pool_logs()
-                    self._pool = ConnectionPool(
-                        self.database_url,
-                        min_size=1,
-                        max_size=self._pool_size,
-                        kwargs={"autocommit": True},
-                        open=True,
-                        name=f"outbox-{self.schema}",
-                    )
+                if self._pid != pid:  # a forked child: the parent's pools are not ours
+                    self._pool = self._handler_pool = None
                     self._pid = pid
+        if for_handlers:
+            if self._handler_pool is None:
+                with self._lock:
+                    if self._handler_pool is None:
+                        self._handler_pool = self._new_pool(0, self._handler_pool_size, "handlers")
+            return self._handler_pool
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = self._new_pool(1, self._pool_size, "outbox")
         return self._pool
+
+    def _new_pool(self, min_size: int, max_size: int, role: str) -> ConnectionPool:
+        _mask_pool_logs()
+        return ConnectionPool(
+            self.database_url,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs={"autocommit": True},
+            open=True,
+            name=f"{role}-{self.schema}",
+        )
 
     @contextmanager
     def connection(self) -> Iterator[Conn]:
@@ -157,9 +197,11 @@ class Store:
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None and self._pid == os.getpid():
-                self._pool.close()
-            self._pool = None
+            if self._pid == os.getpid():
+                for pool in (self._pool, self._handler_pool):
+                    if pool is not None:
+                        pool.close()
+            self._pool = self._handler_pool = None
 
     # -- enqueue (on the caller's connection) -----------------------------------------------
 
@@ -179,9 +221,8 @@ class Store:
         concurrent producers of one actor get ids in commit order."""
         params = {**_insert_params(row, self.channel), "parked_blocks": parked_blocks}
         with translated("enqueue"), _in_callers_transaction(conn):
-            conn.execute(
-                self.q["lock_actor"],
-                {"lock_name": _actor_lock(self.schema, row.family, row.actor or "")},
+            self._lock_actors_of_caller(
+                conn, [_actor_lock(self.schema, row.family, row.actor or "")], "enqueue"
             )
             found = conn.execute(self.q["insert_ordered"], params).fetchone()
             if found is None:
@@ -210,8 +251,7 @@ class Store:
             locks = sorted(
                 {_actor_lock(self.schema, rows[i].family, rows[i].actor or "") for i in in_line}
             )
-            for name in locks:
-                cur.execute(self.q["lock_actor"], {"lock_name": name})
+            self._lock_actors_of_caller(conn, locks, "enqueue_many")
             for query, group in ((self.q["insert"], plain), (self.q["insert_ordered"], in_line)):
                 if not group:
                     continue
@@ -229,6 +269,21 @@ class Store:
                         )
                     ids[i] = int(found[0])
         return [int(i) for i in ids if i is not None]
+
+    def _lock_actors_of_caller(self, conn: Conn, locks: Sequence[str], action: str) -> None:
+        """Take ordered actors' locks on the caller's transaction, which must be READ COMMITTED
+        (its statements then see every commit made before the lock was granted). Any other
+        level is refused before anything is written, and the transaction stays usable."""
+        for name in locks:
+            row = conn.execute(self.q["lock_actor_checked"], {"lock_name": name}).fetchone()
+            isolation = str(row[0]) if row else "unknown"
+            if isolation != "read committed":
+                raise IsolationNotSupported(
+                    f"{action} of an ordered family's row needs a READ COMMITTED transaction, "
+                    f"and this one is {isolation.upper()}: its snapshot may predate another "
+                    "producer's commit, so two rows of one actor could both run first. Use "
+                    "READ COMMITTED for this transaction (nothing was written)"
+                )
 
     # -- claim ----------------------------------------------------------------------------
 
@@ -310,18 +365,27 @@ class Store:
     def rebuild_caps(
         self,
         families: list[str],
-        restore: Callable[[list[tuple[str, str, UUID, int]]], None],
-        lease: float = 60.0,
+        restore: Callable[[list[Holder]], None],
+        drop: Callable[[list[Holder]], None],
     ) -> int:
         """Hand every live lease of the capped families to ``restore`` under the exclusive caps
-        lock (no capped claim is between taking slots and committing meanwhile)."""
-        with translated("caps rebuild"), self.connection() as conn, conn.transaction():
-            conn.execute(self.q["lock_caps_exclusive"], {"lock_name": f"{self.schema}.caps"})
-            rows = conn.execute(
-                self.q["live_leases"], {"families": families, "lease_ms": int(lease * 1000)}
-            ).fetchall()
-            holders = [(r[0], r[1], r[2], int(r[3])) for r in rows]
-            restore(holders)
+        lock (no capped claim is between taking slots and committing meanwhile), then ``drop``
+        the restored holders whose row settled meanwhile: a settle does not wait for this lock,
+        and its slot release found nothing to remove before the restore."""
+        with translated("caps rebuild"), self.connection() as conn:
+            with conn.transaction():
+                conn.execute(self.q["lock_caps_exclusive"], {"lock_name": f"{self.schema}.caps"})
+                rows = conn.execute(self.q["live_leases"], {"families": families}).fetchall()
+                holders = [Holder(r[0], r[1], r[2], r[3], int(r[4])) for r in rows]
+                restore(holders)
+            if holders:
+                held = conn.execute(
+                    self.q["leases_held"], {"tokens": [h.token for h in holders]}
+                ).fetchall()
+                still = {r[0] for r in held}
+                gone = [h for h in holders if h.token not in still]
+                if gone:
+                    drop(gone)
         return len(holders)
 
     def handback(self, row_id: int, token: UUID) -> bool:
@@ -348,10 +412,11 @@ class Store:
 
     # -- delivery -------------------------------------------------------------------------
 
-    def begin(self, row_id: int, token: UUID, lease: float) -> Started | None:
+    def begin(self, row_id: int, token: UUID, run_lease: float) -> Started | None:
+        """Start an attempt; from now its lease is ``run_lease`` (the heartbeat timeout)."""
         with translated("delivery start"), self.connection() as conn:
             row = conn.execute(
-                self.q["begin"], {"id": row_id, "token": token, "lease": lease}
+                self.q["begin"], {"id": row_id, "token": token, "run_lease": run_lease}
             ).fetchone()
         if row is None:
             return None
@@ -371,9 +436,13 @@ class Store:
             row[9],
         )
 
-    def begin_many(self, pairs: Sequence[tuple[int, UUID]], lease: float) -> list[Started]:
+    def begin_many(self, pairs: Sequence[tuple[int, UUID]], run_lease: float) -> list[Started]:
         """Start every row of a batched message whose claim still holds, in one statement."""
-        params = {"ids": [i for i, _ in pairs], "tokens": [t for _, t in pairs], "lease": lease}
+        params = {
+            "ids": [i for i, _ in pairs],
+            "tokens": [t for _, t in pairs],
+            "run_lease": run_lease,
+        }
         with translated("delivery start"), self.connection() as conn:
             rows = conn.execute(self.q["begin_many"], params).fetchall()
         started = [
@@ -419,16 +488,16 @@ class Store:
             return "lease ran out before delivery began; the row will be claimed again"
         return "row is not deliverable"
 
-    def renew(self, leases: Sequence[tuple[int, UUID, Any]], lease: float) -> dict[int, bool]:
-        """Extend the given (id, token, progress) leases; returns id -> cancel requested, for
-        the leases still held (a missing id lost its claim)."""
+    def renew(self, leases: Sequence[tuple[int, UUID, Any]], run_lease: float) -> dict[int, bool]:
+        """Extend the given (id, token, progress) leases by ``run_lease``; returns id -> cancel
+        requested, for the leases still held (a missing id lost its claim)."""
         if not leases:
             return {}
         params = {
             "ids": [i for i, _, _ in leases],
             "tokens": [t for _, t, _ in leases],
             "progress": [None if p is None else Jsonb(p) for _, _, p in leases],
-            "lease": lease,
+            "run_lease": run_lease,
         }
         with translated("lease renewal"), self.connection() as conn:
             rows = conn.execute(self.q["renew"], params).fetchall()
@@ -449,11 +518,13 @@ class Store:
         error: str | None = None,
         conn: Conn | None = None,
         or_cancel: bool = True,
+        maybe_applied: bool = False,
     ) -> str | None:
         """Settle fenced by the token; returns the settle applied (``kind``, or "cancel" when a
         cancel request was pending), or None when another claim owns the row now (or, with
-        ``or_cancel=False``, a cancel request is pending)."""
-        params = {"id": row_id, "token": token, "delay": delay, "error": error}
+        ``or_cancel=False``, a cancel request is pending). ``maybe_applied`` (retry): the next
+        attempt is told this one's effects are unknown."""
+        params = _settle_params(row_id, token, delay, error, maybe_applied)
         with translated(f"settle ({kind})"):
             if conn is not None:
                 return self._settle_on(conn, kind, params, or_cancel)
@@ -485,10 +556,11 @@ class Store:
         error: str | None = None,
         conn: Conn | None = None,
         or_cancel: bool = True,
+        maybe_applied: bool = False,
     ) -> str | None:
         """Settle the head of an ordered actor and, when it leaves the line, promote the next
         row, under the actor's lock (a producer enqueueing now waits, then sees the change)."""
-        params = {"id": row_id, "token": token, "delay": delay, "error": error}
+        params = _settle_params(row_id, token, delay, error, maybe_applied)
         with translated(f"settle ({kind})"):
             line = (family, actor, parked_blocks, or_cancel)
             if conn is not None:
@@ -532,12 +604,17 @@ class Store:
         )
 
     @contextmanager
-    def locked_row(self, row_id: int, token: UUID) -> Iterator[tuple[Conn, bool] | None]:
-        """A transaction holding the claimed row locked (for transactional handlers): yields
+    def handler_transaction(self, row_id: int, token: UUID) -> Iterator[tuple[Conn, bool] | None]:
+        """A transaction for a transactional handler, on a connection of the handlers' own
+        pool (a long handler must not starve heartbeats and settles of connections): yields
         (connection, cancel requested), or None when the claim no longer holds. Commits when
         the block ends, rolls back when it raises."""
-        with translated("transactional delivery"), self.connection() as conn, conn.transaction():
-            row = conn.execute(self.q["lock_row"], {"id": row_id, "token": token}).fetchone()
+        with (
+            translated("transactional delivery"),
+            self._get_pool(for_handlers=True).connection() as conn,
+            conn.transaction(),
+        ):
+            row = conn.execute(self.q["check_claim"], {"id": row_id, "token": token}).fetchone()
             yield (conn, bool(row[1])) if row is not None else None
 
     def cancel(
@@ -560,9 +637,9 @@ class Store:
                 return [], []
             all_ids = [int(r[0]) for r in matched]
             in_line = sorted({(r[1], r[2]) for r in matched if r[1] in ordered and r[2]})
-            for fam, act in in_line:
-                lock = _actor_lock(self.schema, fam, act)
-                conn.execute(self.q["lock_actor"], {"lock_name": lock})
+            self._lock_actors_of_caller(
+                conn, [_actor_lock(self.schema, fam, act) for fam, act in in_line], "cancel"
+            )
             conn.execute(self.q["cancel_request"], {"ids": all_ids, "reason": reason, "by": by})
             done = conn.execute(
                 self.q["cancel_now"], {"ids": all_ids, "reason": reason, "by": by}
@@ -580,7 +657,7 @@ class Store:
         ``now`` defaults to the database's clock."""
         with translated("cron"):
             if now is None:
-                row = conn.execute("SELECT now()").fetchone()
+                row = conn.execute(self.q["clock_now"]).fetchone()
                 assert row is not None
                 now = row[0]
             conn.execute(self.q["cron_lock"], {"name": schedule.name, "initial": now})
@@ -684,6 +761,12 @@ class Store:
         actors = [r[0] for r in rows]
         return self.promote_blocked(family, actors, parked_blocks) if actors else []
 
+    def unblock(self, family: str, batch: int) -> int:
+        """Blocked rows of a family that is not ordered (any more) become due."""
+        with translated("unblock"), self.connection() as conn:
+            rows = conn.execute(self.q["unblock"], {"family": family, "batch": batch}).fetchall()
+        return len(rows)
+
     def prune_cancel_requests(self) -> int:
         with translated("prune"), self.connection() as conn:
             return len(conn.execute(self.q["prune_cancel_requests"]).fetchall())
@@ -715,6 +798,18 @@ def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any
     the row would commit without the caller's change (and survive its rollback): there the
     implicit transaction the statements open is the caller's, and is scope enough."""
     return conn.transaction() if conn.autocommit else contextlib.nullcontext()
+
+
+def _settle_params(
+    row_id: int, token: UUID, delay: float, error: str | None, maybe_applied: bool
+) -> dict[str, Any]:
+    return {
+        "id": row_id,
+        "token": token,
+        "delay": delay,
+        "error": error,
+        "maybe_applied": maybe_applied,
+    }
 
 
 def _actor_lock(schema: str, family: str, actor: str) -> str:

@@ -16,6 +16,9 @@ from .errors import InvalidArgument, InvalidPayload, PayloadTooLarge
 
 MAX_KEY_LENGTH = 512
 DEFAULT_PAYLOAD_LIMIT = 256 * 1024
+# Far enough for any schedule, near enough that now() + delay stays inside Postgres' range
+# (a longer one would fail in SQL and leave the caller's transaction aborted).
+MAX_DELAY = timedelta(days=100 * 366)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,11 @@ def due_offset(delay: object, at: object) -> tuple[float, datetime | None]:
         seconds = delay.total_seconds()
         if seconds < 0 or not math.isfinite(seconds):
             raise InvalidArgument(f"delay must not be negative, got {delay}")
+        if delay > MAX_DELAY:
+            raise InvalidArgument(
+                f"delay must be at most {MAX_DELAY.days} days, got {delay}: for a row that "
+                "should never run, do not enqueue it"
+            )
         return seconds, None
     if at is not None:
         if not isinstance(at, datetime):

@@ -28,14 +28,13 @@ SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
        set_config('enable_bitmapscan', 'off', true);
 
 -- name: in_flight
--- Claimed rows whose lease runs, and started rows whose lease ran out: a transactional handler
--- holding its row locked does not renew the lease, and a dead worker's row is claimed again
--- right away anyway.
+-- Claimed rows whose lease still runs. A row whose lease ran out is not in flight, started or
+-- not: its holder is dead or stalled (every live handler's lease is renewed by its heartbeat),
+-- and the row is due again, so counting it would let dead workers' rows stop the family.
 -- Counted up to max_in_flight (a claim needs no more), along the outbox_claimed index.
 SELECT count(*) FROM (
     SELECT 1 FROM __SCHEMA__.outbox
-    WHERE family = %(family)s AND claim_token IS NOT NULL
-      AND (due_at > now() OR started_at IS NOT NULL)
+    WHERE family = %(family)s AND claim_token IS NOT NULL AND due_at > now()
     ORDER BY due_at
     LIMIT %(max_in_flight)s
 ) AS live;
@@ -94,8 +93,9 @@ RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, o.claim_token IS 
 -- name: begin
 -- Delivery start: the token must still hold, the lease must still run and the attempt must
 -- not have started before (a redelivered message of a killed worker waits for the lease).
+-- From here the lease is the heartbeat timeout: a dead worker's row is due again that soon.
 UPDATE __SCHEMA__.outbox SET started_at = now(),
-    due_at = now() + make_interval(secs => %(lease)s)
+    due_at = now() + make_interval(secs => %(run_lease)s)
 WHERE id = %(id)s AND claim_token = %(token)s AND started_at IS NULL AND due_at > now()
   AND NOT waiting
 RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
@@ -109,7 +109,7 @@ FROM __SCHEMA__.outbox WHERE id = %(id)s;
 
 -- name: renew
 -- Heartbeat: extend the leases still held (fenced by token) and report cancel requests.
-UPDATE __SCHEMA__.outbox o SET due_at = now() + make_interval(secs => %(lease)s),
+UPDATE __SCHEMA__.outbox o SET due_at = now() + make_interval(secs => %(run_lease)s),
     progress = coalesce(p.progress, o.progress)
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(progress)s::jsonb[])
     AS p(id, token, progress)
@@ -119,11 +119,12 @@ RETURNING o.id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id 
 -- name: cancel_requests
 SELECT row_id FROM __SCHEMA__.outbox_cancel WHERE row_id = ANY(%(ids)s::bigint[]);
 
--- name: lock_row
--- A transactional handler's transaction holds its row from here to the settle.
+-- name: check_claim
+-- A transactional handler's first statement: its claim still holds, and whether a cancel is
+-- pending. The row is not locked: the heartbeat renews its lease from another connection like
+-- any other, and the settle at the end of the handler's transaction is fenced by the token.
 SELECT id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
-FROM __SCHEMA__.outbox WHERE id = %(id)s AND claim_token = %(token)s
-FOR UPDATE;
+FROM __SCHEMA__.outbox WHERE id = %(id)s AND claim_token = %(token)s AND due_at > now();
 
 -- name: cancel_match
 -- Unsettled rows a cancel names: by id, by dedupe key, or by actor and command.
@@ -205,9 +206,10 @@ WHERE id = %(id)s AND claim_token = %(token)s
 RETURNING id;
 
 -- name: settle_retry
+-- maybe_applied: the handler returned after it was told to stop, so its effects are unknown.
 UPDATE __SCHEMA__.outbox SET due_at = now() + make_interval(secs => %(delay)s),
     claim_token = NULL, started_at = NULL, claimed_at = NULL, last_error = %(error)s,
-    lost_attempts = 0
+    lost_attempts = 0, maybe_applied = maybe_applied OR %(maybe_applied)s
 WHERE id = %(id)s AND claim_token = %(token)s
   AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
 RETURNING id;
@@ -233,23 +235,20 @@ WHERE o.id = %(id)s AND o.claim_token = %(token)s
 RETURNING o.id;
 
 -- name: status
--- A started row past its lease counts as in flight, like the claimer counts it: it may be a
--- transactional handler holding its row locked (a dead worker's row is claimed again soon).
+-- In flight means a live lease, as the claimer counts it; a row whose lease ran out is due
+-- (its attempt was lost and it is claimed again).
 SELECT family,
-    count(*) FILTER (WHERE live AND due_at <= now() AND NOT running) AS due,
+    count(*) FILTER (WHERE live AND due_at <= now()) AS due,
     count(*) FILTER (WHERE live AND due_at > now() AND claim_token IS NULL) AS scheduled,
-    count(*) FILTER (WHERE live AND claim_token IS NOT NULL
-                     AND (due_at > now() OR running)) AS in_flight,
+    count(*) FILTER (WHERE live AND claim_token IS NOT NULL AND due_at > now()) AS in_flight,
     count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,
     count(*) FILTER (WHERE cancelled_at IS NOT NULL) AS cancelled,
     count(*) FILTER (WHERE done_at IS NOT NULL) AS done,
-    coalesce(extract(epoch FROM now() - min(due_at)
-                     FILTER (WHERE live AND due_at <= now() AND NOT running)), 0)
+    coalesce(extract(epoch FROM now() - min(due_at) FILTER (WHERE live AND due_at <= now())), 0)
         AS oldest_due_age,
     count(*) FILTER (WHERE live AND maybe_applied) AS maybe_applied
 FROM (
     SELECT family, due_at, claim_token, parked_at, cancelled_at, done_at, maybe_applied,
-           claim_token IS NOT NULL AND started_at IS NOT NULL AS running,
            parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL AS live
     FROM __SCHEMA__.outbox
 ) s
@@ -281,6 +280,15 @@ RETURNING id, family, actor;
 -- name: lock_actor
 -- Serializes enqueue and head changes of one actor of an ordered family, held to commit.
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
+
+-- name: lock_actor_checked
+-- lock_actor on a caller's transaction, which must read the latest commits: under REPEATABLE
+-- READ or SERIALIZABLE its snapshot can predate another producer's commit, and the head check
+-- would miss that producer's row. The lock is taken only at READ COMMITTED; the caller refuses
+-- the others before anything is written.
+SELECT current_setting('transaction_isolation') AS isolation,
+       CASE WHEN current_setting('transaction_isolation') = 'read committed'
+            THEN pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) END;
 
 -- name: insert_ordered
 -- Run under lock_actor. The row becomes the actor's head when the actor has no unsettled row
@@ -375,7 +383,13 @@ ORDER BY rank, due_at, id;
 
 -- name: mark_waiting
 -- Rows whose actor is at its cap leave the due range for one lease, or until a slot frees.
-UPDATE __SCHEMA__.outbox SET waiting = true, due_at = now() + make_interval(secs => %(lease)s)
+-- A lapsed claim they still carried ends here: its token goes (no old worker can renew or
+-- settle a waiting row), an attempt that never started is given back, and a started one keeps
+-- started_at, so the claim that takes the row counts it as lost (maybe_applied).
+UPDATE __SCHEMA__.outbox SET waiting = true, due_at = now() + make_interval(secs => %(lease)s),
+    attempts = CASE WHEN claim_token IS NOT NULL AND started_at IS NULL
+                    THEN greatest(attempts - 1, 0) ELSE attempts END,
+    claim_token = NULL, claimed_at = NULL
 WHERE id = ANY(%(ids)s::bigint[])
 RETURNING id;
 
@@ -406,16 +420,20 @@ WHERE id = %(id)s AND claim_token = %(token)s
 RETURNING id;
 
 -- name: live_leases
--- Rows holding a live lease in capped families: what the cap semaphores must contain.
--- A started row past its lease may be a transactional handler still running under its row
--- lock: it keeps its slot for one more lease (a dead worker's row is claimed again anyway).
-SELECT family, actor, claim_token,
-       CASE WHEN due_at > now()
-            THEN (extract(epoch FROM due_at - now()) * 1000)::bigint
-            ELSE (%(lease_ms)s)::bigint END AS remaining_ms
+-- Rows holding a live lease in capped families: what the cap semaphores must contain, each
+-- for what is left of its own lease. A row past its lease holds nothing: its holder stopped
+-- renewing (every live handler's heartbeat renews), and the row is due again.
+SELECT family, actor, command, claim_token,
+       greatest(1, (extract(epoch FROM due_at - now()) * 1000)::bigint) AS remaining_ms
 FROM __SCHEMA__.outbox
 WHERE family = ANY(%(families)s::text[]) AND actor IS NOT NULL AND claim_token IS NOT NULL
-  AND (due_at > now() OR started_at IS NOT NULL);
+  AND due_at > now();
+
+-- name: leases_held
+-- After a rebuild restored its holders: which of them still hold (a row settled between the
+-- rebuild's read and the restore released a slot Redis did not have yet).
+SELECT claim_token FROM __SCHEMA__.outbox
+WHERE claim_token = ANY(%(tokens)s::uuid[]) AND due_at > now();
 
 -- name: lock_caps_shared
 -- Capped claims hold this shared; a rebuild of the semaphores takes it exclusively, so it
@@ -444,7 +462,7 @@ GROUP BY family, actor;
 -- name: begin_many
 -- Delivery start for a batched message: every row whose claim still holds starts at once.
 UPDATE __SCHEMA__.outbox o SET started_at = now(),
-    due_at = now() + make_interval(secs => %(lease)s)
+    due_at = now() + make_interval(secs => %(run_lease)s)
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
 WHERE o.id = p.id AND o.claim_token = p.token AND o.started_at IS NULL AND o.due_at > now()
   AND NOT o.waiting
@@ -468,3 +486,18 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
 WHERE o.id = p.id AND o.claim_token = p.token
   AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id)
 RETURNING o.id;
+
+-- name: unblock
+-- Rows left blocked behind an ordered head in a family that is no longer ordered: due again.
+-- Blocked rows wait at due_at = infinity, so the outbox_due index finds them.
+UPDATE __SCHEMA__.outbox SET blocked = false, due_at = greatest(ready_at, now())
+WHERE id IN (
+    SELECT id FROM __SCHEMA__.outbox
+    WHERE family = %(family)s AND due_at = 'infinity' AND blocked
+      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+    LIMIT %(batch)s
+)
+RETURNING id;
+
+-- name: clock_now
+SELECT now();

@@ -6,6 +6,13 @@ from outbox_dispatch import Backoff, Dispatcher
 
 
 def declare_families(d: Dispatcher, lease: float) -> None:
-    d.family("capped", per_actor=2, lease=lease, max_in_flight=200)
-    d.family("fair", per_actor=1, lease=lease, max_in_flight=200)
-    d.family("lined", ordered=True, lease=lease, max_attempts=10, backoff=Backoff(0.05, 0.2))
+    d.family("capped", per_actor=2, lease=lease, heartbeat_timeout=lease, max_in_flight=200)
+    d.family("fair", per_actor=1, lease=lease, heartbeat_timeout=lease, max_in_flight=200)
+    d.family(
+        "lined",
+        ordered=True,
+        lease=lease,
+        heartbeat_timeout=lease,
+        max_attempts=10,
+        backoff=Backoff(0.05, 0.2),
+    )

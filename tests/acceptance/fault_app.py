@@ -14,7 +14,7 @@ LEASE = float(os.environ.get("OUTBOX_TEST_LEASE", "1.5"))
 MAX_ATTEMPTS = int(os.environ.get("OUTBOX_TEST_MAX_ATTEMPTS", "3"))
 
 app, dispatcher = make_app("fault_acceptance", claim_interval=0.25)
-dispatcher.family("suicide", lease=LEASE, max_attempts=MAX_ATTEMPTS)
+dispatcher.family("suicide", lease=LEASE, heartbeat_timeout=LEASE, max_attempts=MAX_ATTEMPTS)
 
 
 def record(ctx: Context, kind: str) -> None:

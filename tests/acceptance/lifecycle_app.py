@@ -12,11 +12,16 @@ from tests.acceptance.envapp import SCHEMA, make_app
 
 LEASE = float(os.environ.get("OUTBOX_TEST_LEASE", "3"))
 app, dispatcher = make_app("lifecycle_acceptance", claim_interval=0.25, pool_size=6)
-dispatcher.family("slow", lease=LEASE, max_attempts=5)
-dispatcher.family("txn", lease=LEASE, max_attempts=50)
-dispatcher.family("load", lease=LEASE, max_in_flight=100)
+dispatcher.family("slow", lease=LEASE, heartbeat_timeout=LEASE, max_attempts=5)
+dispatcher.family("txn", lease=LEASE, heartbeat_timeout=LEASE, max_attempts=50)
+dispatcher.family("load", lease=LEASE, heartbeat_timeout=LEASE, max_in_flight=100)
 dispatcher.family(
-    "limited", lease=LEASE, max_attempts=2, time_limit=1, backoff=Backoff(0.1, 0.2, 0.0)
+    "limited",
+    lease=LEASE,
+    heartbeat_timeout=LEASE,
+    max_attempts=2,
+    time_limit=1,
+    backoff=Backoff(0.1, 0.2, 0.0),
 )
 
 

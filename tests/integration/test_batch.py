@@ -72,7 +72,7 @@ def test_a_worker_dying_mid_batch_marks_the_whole_batch_maybe_applied(
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(3)])
     claimed = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
-    started = dispatcher.store.begin_many([(c.id, c.token) for c in claimed], lease=10)
+    started = dispatcher.store.begin_many([(c.id, c.token) for c in claimed], run_lease=10)
     assert [s.id for s in started] == ids  # then the worker is killed
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(f'UPDATE "{dispatcher.schema}".outbox SET due_at = now()')

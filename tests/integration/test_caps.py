@@ -295,7 +295,7 @@ def test_a_running_handler_whose_slot_lapsed_is_told_to_stop(
     claimed = capped.claimer.claim_family(capped.families["capped"]).claimed[0]
     started = capped.store.begin(claimed.id, claimed.token, 30)
     assert started is not None
-    ctx, running = capped.delivery._context(started, capped.families["capped"], False)
+    ctx, running = capped.delivery._context(started, capped.families["capped"])
     assert capped.caps is not None
     redis.Redis.from_url(caps_url).delete(capped.caps.key("capped", "H"))  # the slot expired
     capped.delivery.heartbeats._renew([running])

@@ -174,7 +174,7 @@ def test_redelivered_message_of_a_started_attempt_waits_for_the_lease(
     row_id = _enqueue(dispatcher, database_url, cmd)
     _, token = _claim_one(dispatcher)
     # the attempt started, then its process died before settling
-    assert dispatcher.store.begin(row_id, token, lease=30) is not None
+    assert dispatcher.store.begin(row_id, token, run_lease=30) is not None
     assert dispatcher.delivery.deliver(row_id, token).outcome is Outcome.STALE
     assert effects.rows(cmd) == []
     # after the lease the row is claimed again, flagged as maybe applied
@@ -198,7 +198,7 @@ def test_lost_attempt_sets_maybe_applied_and_a_lost_last_attempt_parks(
     row_id = _enqueue(dispatcher, database_url, cmd)
     for _ in range(3):  # three attempts start and die
         _, token = _claim_one(dispatcher, "quick")
-        assert dispatcher.store.begin(row_id, token, lease=5) is not None
+        assert dispatcher.store.begin(row_id, token, run_lease=5) is not None
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'UPDATE "{dispatcher.schema}".outbox SET due_at = now()')
     result = dispatcher.claimer.claim_family(dispatcher.families["quick"])

@@ -160,7 +160,9 @@ def test_postgres_down_during_delivery_loses_nothing(
     that follow cannot start. After the outage every row is delivered: the cut-off attempt is
     redone with maybe_applied set, rows that never started cost no attempt."""
     d = make_dispatcher(pg_proxy.url(database_url), pool_size=2)
-    d.family("pgdown", lease=1.0, max_attempts=3, backoff=Backoff(0.05, 0.1, 0.0))
+    d.family(
+        "pgdown", lease=1.0, heartbeat_timeout=2.0, max_attempts=3, backoff=Backoff(0.05, 0.1, 0.0)
+    )
     runs: list[tuple[int, int, bool]] = []
 
     def handler(ctx: Context, payload: Any) -> None:
@@ -386,3 +388,72 @@ def test_redis_down_warning_names_the_cause(
         d.claimer.run(lambda fam, rows: None, only=["capcause"])
     [line] = [r.getMessage() for r in _warnings(caplog, "caps_unavailable")]
     assert "Connection refused" in line
+
+
+def test_a_holder_cut_off_from_redis_stops_before_its_slot_can_go_to_another_row(
+    redis_proxy: FaultProxy,
+    caps_via_proxy: Dispatcher,
+    make_dispatcher: Callable[..., Dispatcher],
+    caps_prefix: str,
+    database_url: str,
+    redis_url: str,
+    schema: str,
+) -> None:
+    """A network partition between one worker and Redis: the claimer still reaches Redis and
+    grants the actor's slot again once it expires there. The worker cannot renew it, so its
+    handler is told to stop before that, and the row is retried, not settled as delivered."""
+    worker = caps_via_proxy
+    claimer = make_dispatcher(
+        database_url, redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}", key_prefix=caps_prefix
+    )
+    marks: dict[str, float] = {}
+    started = threading.Event()
+
+    def handler(ctx: Context, payload: Any) -> None:
+        if ctx.attempt > 1 or payload.get("second"):
+            return
+        marks["started"] = time.monotonic()
+        started.set()
+        deadline = time.monotonic() + 15
+        while not ctx.is_cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        marks["stopped"] = time.monotonic()
+
+    cmd = f"fault.{uuid.uuid4().hex[:6]}"
+    for d in (worker, claimer):
+        d.family("partition", per_actor=1, lease=10, heartbeat_timeout=3, max_attempts=3)
+        d.handler(cmd, family="partition")(handler)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        first, second = d.enqueue_many(
+            conn, [Message(cmd, {}, actor="P"), Message(cmd, {"second": True}, actor="P")]
+        )
+    [c1] = claimer.claimer.claim_family(claimer.families["partition"]).claimed
+    assert c1.id == first
+    outcome: list[Outcome] = []
+    t = threading.Thread(
+        target=lambda: outcome.append(
+            worker.delivery.deliver(c1.id, c1.token, family_hint="partition").outcome
+        )
+    )
+    t.start()
+    assert started.wait(5)
+    redis_proxy.cut()
+    granted: list[Claimed] = []
+    deadline = time.monotonic() + 15
+    while not granted:  # the claimer, which reaches Redis, polls like beat would
+        assert time.monotonic() < deadline, "the slot never came free"
+        granted = [
+            c
+            for c in claimer.claimer.claim_family(claimer.families["partition"]).claimed
+            if c.id == second
+        ]
+        if not granted:
+            time.sleep(0.05)
+    granted_at = time.monotonic()
+    t.join(15)
+    assert "stopped" in marks and marks["stopped"] <= granted_at, (
+        f"the cut-off holder ran {granted_at - marks.get('stopped', granted_at):.2f} s past "
+        "the slot's grant to another row"
+    )
+    assert outcome == [Outcome.RETRIED]
+    assert count_rows(database_url, schema, f"id = {first} AND maybe_applied") == 1

@@ -23,7 +23,9 @@ from tests.conftest import count_rows
 def life(database_url: str, schema: str) -> Iterator[Dispatcher]:
     app = Celery("life_tests", broker="memory://", set_as_current=False)
     d = Dispatcher(app, database_url=database_url, schema=schema)
-    d.family("short", lease=1.0, max_attempts=3, backoff=Backoff(0.01, 0.01, 0))
+    d.family(
+        "short", lease=1.0, heartbeat_timeout=1.0, max_attempts=3, backoff=Backoff(0.01, 0.01, 0)
+    )
     d.family("kept", lease=30, retention=3600)
     d.family("gone", lease=30, retention=0)
     d.family("fragile", lease=30, max_attempts=5, on_lost="park")
@@ -55,7 +57,7 @@ def test_heartbeat_keeps_a_long_handler_from_being_claimed_again(
     runs: list[int] = []
     cmd = _name()
 
-    @life.handler(cmd, family="short")  # lease 1 s: renewed every 0.33 s
+    @life.handler(cmd, family="short")  # heartbeat timeout 1 s: renewed every 0.33 s
     def slow(ctx: Context, payload: Any) -> None:
         runs.append(ctx.attempt)
         time.sleep(2.5)
@@ -133,7 +135,7 @@ def test_cancel_reaches_a_running_handler_within_one_heartbeat(
     stopped: list[float] = []
     started = threading.Event()
 
-    @life.handler(cmd, family="short")  # lease 1 s: heartbeat every ~0.33 s
+    @life.handler(cmd, family="short")  # heartbeat timeout 1 s: every ~0.33 s
     def loop(ctx: Context, payload: Any) -> None:
         started.set()
         deadline = time.monotonic() + 10

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox_dispatch.policy import Candidate, plan_capped_claim
+from outbox_dispatch.policy import Candidate, CapRule, plan_capped_claim
 
 ACTORS = [None, "a", "b", "c", "d", "big"]
 
@@ -33,21 +33,26 @@ def scenarios(draw: st.DrawFn) -> tuple[list[Candidate], dict[str, int], int]:
 def test_plan_respects_limit_and_caps(s: tuple[list[Candidate], dict[str, int], int]) -> None:
     candidates, caps, limit = s
     plan = plan_capped_claim(
-        candidates, lambda c: None if c.actor is None else caps[c.command], limit
+        candidates,
+        lambda c: None if c.actor is None else CapRule(c.command, caps[c.command]),
+        limit,
     )
     assert len(plan.take) <= limit
     ids = [c.id for c in plan.take] + [c.id for c in plan.wait]
     assert len(ids) == len(set(ids)), "a row is both taken and waiting"
-    per_actor: Counter[str] = Counter()
+    per_slot: Counter[tuple[str, str]] = Counter()  # each command's cap is its own semaphore
     for c in plan.take:
         if c.actor is not None:
-            per_actor[c.actor] += 1
+            per_slot[(c.actor, c.command)] += 1
             # counting in take order, no row is taken beyond its own cap
-            assert per_actor[c.actor] <= caps[c.command]
+            assert per_slot[(c.actor, c.command)] <= caps[c.command]
     for c in plan.wait:
         assert c.actor is not None
-        # a row waits only when its actor already got as many rows as this row's cap allows
-        taken_before = [t for t in plan.take if t.actor == c.actor and t.id != c.id]
+        # a row waits only when its actor already got as many rows as this row's cap allows,
+        # counting only the rows of the same cap (another command's slots never hold it back)
+        taken_before = [
+            t for t in plan.take if (t.actor, t.command) == (c.actor, c.command) and t.id != c.id
+        ]
         assert len(taken_before) >= caps[c.command]
 
 
@@ -57,7 +62,9 @@ def test_plan_is_fair_in_rank_order(s: tuple[list[Candidate], dict[str, int], in
     earlier rank of another actor that was under its cap is passed over."""
     candidates, caps, limit = s
     plan = plan_capped_claim(
-        candidates, lambda c: None if c.actor is None else caps[c.command], limit
+        candidates,
+        lambda c: None if c.actor is None else CapRule(c.command, caps[c.command]),
+        limit,
     )
     position = {c.id: i for i, c in enumerate(candidates)}
     decided = {c.id for c in plan.take} | {c.id for c in plan.wait}
@@ -72,6 +79,6 @@ def test_big_backlog_does_not_crowd_out_small_actors() -> None:
     big = [Candidate(i, "big", "x", i) for i in range(1, 1001)]
     small = [Candidate(2000 + i, f"s{i}", "x", 1) for i in range(20)]
     ranked = sorted(big + small, key=lambda c: c.rank)
-    plan = plan_capped_claim(ranked, lambda c: 1, limit=50)
+    plan = plan_capped_claim(ranked, lambda c: CapRule("", 1), limit=50)
     assert {c.actor for c in plan.take} == {"big"} | {f"s{i}" for i in range(20)}
     assert len(plan.wait) == 999  # the rest of the big backlog leaves the due range

@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 from outbox_dispatch import Backoff, Family
 from outbox_dispatch.cron import MAX_TICKS, CatchUp, due_ticks
-from outbox_dispatch.policy import Candidate, Verdict, decide_failure, plan_capped_claim
+from outbox_dispatch.policy import (
+    MAX_BACKOFF,
+    Candidate,
+    CapRule,
+    Verdict,
+    decide_failure,
+    plan_capped_claim,
+)
 
 # -- cron ---------------------------------------------------------------------------------------
 
@@ -169,7 +176,7 @@ def test_a_daily_schedule_runs_once_on_the_day_the_clock_goes_back(policy: Catch
 def test_backoff_never_shrinks_from_one_attempt_to_the_next_and_at_most_doubles(
     base: float, factor: float, jitter: float, rand: float, attempts: int
 ) -> None:
-    b = Backoff(base=base, cap=base * factor, jitter=jitter)
+    b = Backoff(base=base, cap=min(base * factor, MAX_BACKOFF), jitter=jitter)
     now, after = b.delay(attempts, rand), b.delay(attempts + 1, rand)
     assert now <= after <= 2 * now * (1 + 1e-12)
     assert after <= b.cap
@@ -223,7 +230,9 @@ def _plan(
 ) -> tuple[list[Candidate], list[Candidate], list[Candidate]]:
     candidates, caps, limit = case
     plan = plan_capped_claim(
-        candidates, lambda c: None if c.actor is None else caps[c.command], limit
+        candidates,
+        lambda c: None if c.actor is None else CapRule(c.command, caps[c.command]),
+        limit,
     )
     decided = {c.id for c in plan.take} | {c.id for c in plan.wait}
     return plan.take, plan.wait, [c for c in candidates if c.id not in decided]
@@ -266,8 +275,8 @@ def test_rows_past_an_actors_cap_leave_the_due_range_and_uncapped_rows_never_wai
     _, caps, limit = case
     take, wait, left = _plan(case)
     assert all(c.actor is not None for c in wait)
-    per_actor = Counter(c.actor for c in take)
+    per_slot = Counter((c.actor, c.command) for c in take)
     for c in wait:  # every waiting row's actor really is at the cap that applies to that row
-        assert per_actor[c.actor] >= caps[c.command]
+        assert per_slot[(c.actor, c.command)] >= caps[c.command]
     if len(take) < limit:  # room left: nothing stays due that could have been taken
         assert left == []
