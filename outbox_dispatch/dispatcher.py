@@ -87,6 +87,7 @@ class Dispatcher:
         claim_batch: int = 500,
         payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
         pool_size: int = 4,
+        handler_pool_size: int = 32,
         key_prefix: str = "outbox",
         prune_interval: float = 60.0,
         prune_batch: int = 1000,
@@ -110,7 +111,11 @@ class Dispatcher:
         self.payload_limit = payload_limit
         self.families: dict[str, Family] = builtin_families()
         self.registry = Registry()
-        self.store = Store(database_url, self.schema, pool_size=pool_size)
+        if pool_size < 1 or handler_pool_size < 1:
+            raise ConfigurationError("pool_size and handler_pool_size must be >= 1")
+        self.store = Store(
+            database_url, self.schema, pool_size=pool_size, handler_pool_size=handler_pool_size
+        )
         self.caps = Caps(redis_url, key_prefix) if redis_url else None
         self.claimer = Claimer(
             self.store,
@@ -521,7 +526,8 @@ class Dispatcher:
         by dedupe key, or every unsettled row of an actor (optionally of one command).
 
         Rows nobody is delivering are settled as cancelled at once; a running row's handler
-        sees ``ctx.is_cancelled`` within one heartbeat (lease/3), and its settle records the
+        sees ``ctx.is_cancelled`` within one heartbeat (a third of the family's
+        heartbeat_timeout), and its settle records the
         cancel. Cancelled rows keep who, when and why until their family's retention prunes
         them. Parked rows are not cancelled: purge them.
         """

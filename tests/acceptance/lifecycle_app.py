@@ -48,6 +48,11 @@ def slow(ctx: Context, payload: Any) -> None:
     record(ctx, "end", payload)
 
 
+@dispatcher.handler("job.slow", family="job")  # the built-in family, at its defaults
+def job_slow(ctx: Context, payload: Any) -> None:
+    slow(ctx, payload)
+
+
 @dispatcher.handler("txn.write", family="txn", transactional=True)
 def write(ctx: Context, payload: Any) -> None:
     ctx.conn.execute(f'INSERT INTO "{SCHEMA}".effects (row_id) VALUES (%s)', (ctx.row_id,))

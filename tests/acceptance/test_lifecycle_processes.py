@@ -54,6 +54,7 @@ def _enqueue(env: dict[str, str], msgs: list[Message]) -> list[int]:
         ("load.run", "load"),
         ("limited.hang", "limited"),
         ("limited.stubborn", "limited"),
+        ("job.slow", "job"),
     ):
         d.declare(cmd, family=fam)
     with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn, conn.transaction():
@@ -136,6 +137,28 @@ def test_killed_worker_row_runs_again_after_the_lease_with_maybe_applied(
     assert gap >= 2.5, f"second attempt came {gap:.1f} s after the first, before the lease"
     assert time.monotonic() - killed_at < 15
     assert row_id
+
+
+def test_a_killed_workers_started_row_runs_again_within_30_s_at_the_defaults(
+    env: dict[str, str], spawn: Callable[..., Popen[bytes]]
+) -> None:
+    """Invariant 13 at the built-in ``job`` family's defaults: its claimed messages may wait
+    300 s in the queue, but a started attempt whose worker died runs again once the 30 s
+    heartbeat timeout has passed (plus one claim pass), not after the queue lease."""
+    _enqueue(env, [Message("job.slow", {"sleep": 120})])
+    first = _worker(spawn, env, "doomed")
+    _beat(spawn, env, "beat")
+    starts = "SELECT attempt, maybe_applied FROM S.runs WHERE kind = 'start' ORDER BY at"
+    _wait(lambda: bool(_query(env, starts)), 20, "the first attempt")
+    os.killpg(first.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    _worker(spawn, env, "heir")
+    rerun = _wait(lambda: len(_query(env, starts)) == 2, 60, "the second attempt")
+    print(f"kill -9 to the row running again at the defaults: {rerun:.1f} s")
+    assert _query(env, starts) == [(1, False), (2, True)]
+    assert 20 < rerun < 33, f"rows ran again {rerun:.1f} s after the kill (timeout 30 s)"
+    assert time.monotonic() - killed_at < 60
+    _wait(lambda: _live(env) == 0, 10, "the second attempt's settle")
 
 
 def test_transactional_effects_exist_exactly_once_under_repeated_kill_9(
