@@ -350,8 +350,9 @@ class Chaos:
             app.close()
 
     def _inject_faults(self, producer: Producer) -> None:
-        """Random faults every ``fault_interval`` (jittered) and the two restarts at their share
-        of the duration; the last fault is a kill -9 of a worker caught running handlers, in
+        """Random faults every ``fault_interval`` (jittered) and the four service faults (Redis
+        restart and FLUSHDB, Postgres kill -9 and fast shutdown) at their shares of the
+        duration; the last fault is a kill -9 of a worker caught running handlers, in
         the last seconds of production. The settle time is then measured from the costliest
         fault (its rows wait for their lease), not from whatever fault happened to come last
         on an idle fleet."""
