@@ -136,6 +136,7 @@ class Report:
     soft_limit_runs: int  # runs a prefork worker interrupted with SoftTimeLimitExceeded
     delivered_unfinished: list[dict[str, Any]]  # rows delivered by an attempt that gave up
     delivered_unfinished_count: int
+    delivered_unfinished_by_how: dict[str, int]
     latency: dict[str, float]  # commit to the end of the first successful run, seconds
     slowest: list[str]  # the rows that took longest from commit to success, with their runs
     last_to_settle: list[str]  # the last successful runs, timed from the last fault
@@ -303,6 +304,7 @@ def _runs(rec: Records, spans: list[Span]) -> dict[str, Any]:
             {"family": rec.run_family.get(u.row_id, "?"), **asdict(u)} for u in unfinished[:50]
         ],
         "delivered_unfinished_count": len(unfinished),
+        "delivered_unfinished_by_how": dict(Counter(u.how for u in unfinished)),
     }
 
 
@@ -434,8 +436,8 @@ def verdicts(report: Report, rec: Records, facts: Facts, fates: dict[int, Fate])
 
 
 def _unfinished_value(report: Report) -> str:
-    hows = Counter(u["how"].split(" (")[0] for u in report.delivered_unfinished)
-    detail = ", ".join(f"{n} {how}" for how, n in hows.most_common())
+    hows = Counter(report.delivered_unfinished_by_how)
+    detail = ", ".join(f"{n} {how.split(' (')[0]}" for how, n in hows.most_common())
     return f"{report.delivered_unfinished_count}" + (f" ({detail})" if detail else "")
 
 

@@ -37,7 +37,7 @@ from outbox_dispatch.errors import OutboxError
 from outbox_dispatch.migrations import migrate
 
 from .checks import Enqueued, Final, Kill, Run, settle_limit
-from .fleet import Fleet, Member
+from .fleet import POOLS, Fleet, Member
 from .report import SHOWN_ROWS, Facts, Fault, Records, Report, assess, render, state_of
 from .services import ServiceError, Services
 from .workload import (
@@ -785,8 +785,8 @@ def parse(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
     if a.rows < 1 or a.duration < 10 or a.workers < 1 or a.claimers < 1 or a.lease < 1:
         p.error("need --rows >= 1, --duration >= 10, --workers >= 1, --claimers >= 1, --lease >= 1")
     pools = [x.strip() for x in a.pools.split(",") if x.strip()]
-    if not pools or any(x not in ("threads", "prefork") for x in pools):
-        p.error("--pools takes threads and prefork, comma-separated")
+    if not pools or any(x not in POOLS for x in pools):
+        p.error(f"--pools takes {' and '.join(POOLS)}, comma-separated")
     if a.heartbeat_timeout < 0:
         p.error("--heartbeat-timeout must be >= 0 (0: the lease)")
     config = ChaosConfig(

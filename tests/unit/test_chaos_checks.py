@@ -25,6 +25,7 @@ from outbox_dispatch.chaos.checks import (
     Run,
     Span,
     Unfinished,
+    Verdict,
     classify,
     close_runs,
     concurrency_breaches,
@@ -37,7 +38,16 @@ from outbox_dispatch.chaos.checks import (
     settle_limit,
     within,
 )
-from outbox_dispatch.chaos.report import SHOWN_ROWS, row_state, state_of, unsettled_lines
+from outbox_dispatch.chaos.report import (
+    SHOWN_ROWS,
+    Facts,
+    Fault,
+    Records,
+    assess,
+    row_state,
+    state_of,
+    unsettled_lines,
+)
 from outbox_dispatch.chaos.workload import (
     FAMILIES,
     declare_families,
@@ -448,3 +458,64 @@ def test_at_most_the_shown_rows_are_printed_and_the_rest_counted() -> None:
     assert sum(1 for line in lines if line.startswith("  id=")) == SHOWN_ROWS
     assert lines[-1] == f"  ... and {100 - SHOWN_ROWS} more"
     assert unsettled_lines([], count=0) == []
+
+
+# -- the verdicts a run's records lead to ------------------------------------------------------
+
+
+def _assess(*, unsettled: int = 0, settled_at: float | None = 105.0) -> dict[str, Verdict]:
+    records = Records(
+        enqueued=[
+            Enqueued(1, "limited", None, False, False),
+            Enqueued(2, "intent", None, False, False),
+        ],
+        committed_at={1: 90.0, 2: 90.0},
+        finals={},  # both deleted: delivered
+        runs=[
+            Run(1, None, 1, False, 100, 10, 95.0, 97.0, False, True, gave_up=True),
+            Run(2, None, 1, False, 100, 10, 95.0, 95.1, True),
+        ],
+        run_family={1: "limited", 2: "intent"},
+        plain_effects=[(2, 1, False)],
+        txn_effects=[],
+        transactional=frozenset({"job"}),
+    )
+    facts = Facts(
+        config={"lease": 5.0},
+        logdir="",
+        fault_kinds=("kill -9 worker",),
+        faults=[Fault(1.0, 100.0, "kill -9 worker", "w0")],
+        kills=[],
+        crashes=[],
+        planned=2,
+        enqueued=2,
+        producer_retries=0,
+        first_commit_at=90.0,
+        live_at_last_fault=0,
+        stranded_by_last_fault=0,
+        settled_at=settled_at,
+        now=120.0,
+        settle_limit=10.0,
+        unsettled=[{"id": "1"}][:unsettled],
+        unsettled_count=unsettled,
+    )
+    return {v.name.split(" (")[0]: v for v in assess(records, facts).verdicts}
+
+
+def test_a_delivered_row_whose_handler_gave_up_fails_the_run_and_says_why() -> None:
+    verdicts = _assess()
+    unfinished = verdicts[
+        "delivered by an attempt that gave up on is_cancelled, failed or never returned"
+    ]
+    assert not unfinished.ok
+    assert unfinished.value == f"1 (1 {GAVE_UP})"
+    assert not verdicts["rows lost"].ok  # and it is lost: its work was never done
+    assert verdicts["settle after the last fault"].ok  # 5 s after the fault, limit 10 s
+
+
+def test_rows_unsettled_at_the_limit_fail_the_run_even_if_they_settle_later() -> None:
+    late = _assess(unsettled=3, settled_at=125.0)["settle after the last fault"]
+    assert not late.ok
+    assert late.value == "3 rows unsettled at +10 s (all settled after 25.0 s)"
+    stuck = _assess(unsettled=3, settled_at=None)["settle after the last fault"]
+    assert (stuck.ok, stuck.value) == (False, "3 rows unsettled at +10 s (never settled)")
