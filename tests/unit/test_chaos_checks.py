@@ -356,7 +356,7 @@ def _dispatcher(cls: type[Dispatcher] = Dispatcher) -> Dispatcher:
 
 
 class _WithTimeout(Dispatcher):
-    """A core whose family() takes heartbeat_timeout, as the fixed one will."""
+    """A core whose family() takes heartbeat_timeout, as the fixed one does."""
 
     seen: dict[str, float]
 
@@ -365,9 +365,18 @@ class _WithTimeout(Dispatcher):
         return super().family(name, **kw)
 
 
+class _WithoutTimeout(Dispatcher):
+    """A core whose family() has no heartbeat_timeout, as the one before the fix."""
+
+    def family(self, name: str, **kw: Any) -> Family:
+        assert "heartbeat_timeout" not in kw, "given to a core that does not take it"
+        return super().family(name, **kw)
+
+
 def test_heartbeat_timeout_goes_to_family_only_where_the_core_takes_it() -> None:
-    assert not has_heartbeat_timeout(_dispatcher().family)
-    declare_families(_dispatcher(), lease=5.0, heartbeat_timeout=7.0)  # no TypeError
+    older = _dispatcher(_WithoutTimeout)
+    assert not has_heartbeat_timeout(older.family)
+    declare_families(older, lease=5.0, heartbeat_timeout=7.0)
     newer = _dispatcher(_WithTimeout)
     assert has_heartbeat_timeout(newer.family)
     declare_families(newer, lease=5.0, heartbeat_timeout=7.0)
@@ -379,8 +388,11 @@ def test_heartbeat_timeout_goes_to_family_only_where_the_core_takes_it() -> None
 
 def test_policies_read_the_families_as_the_core_holds_them() -> None:
     d = _dispatcher()
-    declare_families(d, lease=4.0)
-    assert policies(d) == [(4.0, None)] * len(FAMILIES)
+    declare_families(d, lease=4.0, heartbeat_timeout=6.0)
+    # this core's own: with the option, every family has the timeout given; without, none
+    timeout = 6.0 if has_heartbeat_timeout(d.family) else None
+    assert policies(d) == [(4.0, timeout)] * len(FAMILIES)
+    assert settle_limit(policies(d)) == 2 * (timeout or 4.0)
     assert d.families["trickle"].max_in_flight == 2
     assert d.families["limited"].time_limit == time_limit_of(4.0)
 
