@@ -32,6 +32,10 @@ class Run:
     ended: float | None = None
     ok: bool | None = None
     told_to_stop: bool = False  # ctx.is_cancelled was set: its claim or cap slot had lapsed
+    # the handler's own view: it returned early, without its effect, because it saw
+    # ctx.is_cancelled (what the docs ask of a handler); such an attempt delivered nothing
+    gave_up: bool = False
+    error: str | None = None  # the exception class a failed run raised
 
 
 @dataclass(frozen=True)
@@ -322,3 +326,53 @@ def percentiles(values: Sequence[float], ps: Iterable[int]) -> dict[str, float]:
 
 def within(seconds: float | None, limit: float) -> bool:
     return seconds is not None and seconds <= limit
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """A row settled as delivered by an attempt whose handler did not finish its work."""
+
+    row_id: int
+    attempt: int
+    how: str
+
+
+GAVE_UP = "returned early on ctx.is_cancelled"
+NO_END = "no recorded end (its process died before the handler returned)"
+
+
+def delivered_unfinished(runs: Iterable[Run], delivered: set[int]) -> list[Unfinished]:
+    """Rows delivered by an attempt that gave up, raised, or never returned. The attempt that
+    settled a row is its last to start: a settle is fenced by the claim token, and once it
+    commits the row is never claimed (so never started) again. A handler that returned because
+    it saw ``ctx.is_cancelled`` (time limit, lost cap slot or claim) did not do its work, so a
+    "delivered" settle of its attempt loses the row as surely as a crash would."""
+    last: dict[int, Run] = {}
+    for r in runs:
+        if r.row_id not in delivered:
+            continue
+        seen = last.get(r.row_id)
+        if seen is None or (r.started, r.attempt) > (seen.started, seen.attempt):
+            last[r.row_id] = r
+    out = []
+    for row_id, r in sorted(last.items()):
+        if r.gave_up:
+            how = GAVE_UP
+        elif r.ended is None:
+            how = NO_END
+        elif not r.ok:
+            how = f"raised {r.error or 'an exception'}"
+        else:
+            continue
+        out.append(Unfinished(row_id, r.attempt, how))
+    return out
+
+
+def settle_limit(policies: Iterable[tuple[float, float | None]]) -> float:
+    """Two of the longest times the outbox may legitimately take to notice a lost attempt,
+    over the families of the run: ``(lease, heartbeat_timeout)`` each, the timeout None where
+    the core has no such option (then a started row counts as lost when its lease runs out)."""
+    longest = max((max(lease, hb or 0.0) for lease, hb in policies), default=0.0)
+    if longest <= 0:
+        raise ValueError("a settle limit needs at least one family with a lease")
+    return 2 * longest

@@ -1,6 +1,8 @@
 """The worker and claimer processes of a chaos run: started, killed -9 and restarted.
 
-Delivery workers consume the family queues (prefork and threads pools alternate). The two
+Delivery workers consume the family queues, on the pools named in turn (by default threads
+and prefork alternate: a threads worker can only stop a handler through ``ctx.is_cancelled``,
+a prefork one raises SoftTimeLimitExceeded in it and kills its pool process). The two
 claimers are ``celery worker -B`` processes on the claim queue only: each runs beat (so there
 are two schedulers), consumes claim tasks and runs the NOTIFY listener (one leads, the other
 stands by). Every process runs in its own session, so a kill -9 of its process group takes its
@@ -16,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from .checks import Kill
 from .workload import CLAIM_QUEUE, DELIVERY_QUEUES, Settings, with_role
 
 APP = "outbox_dispatch.chaos.app"
+POOLS = ("prefork", "threads")
 
 
 @dataclass
@@ -68,13 +72,16 @@ class Fleet:
         workers: int,
         claimers: int = 2,
         rng: random.Random,
+        pools: Sequence[str] = ("threads", "prefork"),
     ) -> None:
+        unknown = [p for p in pools if p not in POOLS]
+        if not pools or unknown:
+            raise ValueError(f"worker pools must be some of {POOLS}, got {list(pools)}")
         self.settings = settings
         self.logdir = logdir
         self.rng = rng
         self.members = [
-            Member(f"w{i}", "worker", "prefork" if i % 2 == 0 else "threads")
-            for i in range(workers)
+            Member(f"w{i}", "worker", pools[i % len(pools)]) for i in range(workers)
         ] + [Member(f"c{i}", "claimer", "threads") for i in range(claimers)]
 
     def command(self, m: Member) -> list[str]:

@@ -8,14 +8,41 @@ rebuilt from the CSV files a run leaves behind.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 from outbox_dispatch.cli import table
 
 from . import checks
 from .checks import Enqueued, Fate, Final, Kill, Run, Span, Verdict
-from .workload import CAP, FAMILIES
+from .workload import CAP, CAPPED, FAMILIES
+
+# the outbox columns a row's printed state leads with; any others follow (payload and trace
+# context left out: they say nothing about why a row is stuck)
+STATE_COLUMNS = (
+    "id",
+    "family",
+    "command",
+    "actor",
+    "attempts",
+    "claim_token",
+    "claimed_at",
+    "started_at",
+    "due_at",
+    "due_since",
+    "waiting",
+    "blocked",
+    "parked_at",
+    "cancelled_at",
+    "done_at",
+    "lost_attempts",
+    "maybe_applied",
+    "last_error",
+)
+STATE_OMITTED = frozenset({"payload", "trace_context"})
+SHOWN_ROWS = 30  # unsettled rows printed in full; the rest are counted
 
 
 @dataclass
@@ -62,14 +89,16 @@ class Facts:
     stranded_by_last_fault: int
     settled_at: float | None
     now: float
+    # 2 * max(lease, heartbeat_timeout) over the run's families (checks.settle_limit)
+    settle_limit: float
+    # rows not settled when the settle limit passed, each its state as state_value() wrote
+    # it (at most SHOWN_ROWS), and how many there were
+    unsettled: list[dict[str, str]] = field(default_factory=list)
+    unsettled_count: int = 0
 
     @property
     def lease(self) -> float:
         return float(self.config["lease"])
-
-    @property
-    def settle_limit(self) -> float:
-        return 2 * self.lease
 
 
 @dataclass
@@ -79,6 +108,7 @@ class Report:
     config: dict[str, Any]
     logdir: str
     faults: dict[str, int]
+    fault_kinds: list[str]  # the kinds this run was to inject
     fault_log: list[dict[str, Any]]
     rows: int
     rows_by_family: dict[str, int]
@@ -92,7 +122,7 @@ class Report:
     reruns_of_one_claim: list[tuple[int, int]]
     phantom_rows: list[int]
     cap_breaches: list[dict[str, Any]]
-    cap_peak: int
+    cap_peak: dict[str, int]
     order_breaches: list[dict[str, Any]]
     ordered_overlaps: list[dict[str, Any]]
     runs: int
@@ -102,6 +132,11 @@ class Report:
     maybe_applied_by_family: dict[str, int]
     maybe_applied_runs: int
     told_to_stop_runs: int
+    gave_up_by_family: dict[str, int]  # polite runs that returned early on ctx.is_cancelled
+    soft_limit_runs: int  # runs a prefork worker interrupted with SoftTimeLimitExceeded
+    delivered_unfinished: list[dict[str, Any]]  # rows delivered by an attempt that gave up
+    delivered_unfinished_count: int
+    delivered_unfinished_by_how: dict[str, int]
     latency: dict[str, float]  # commit to the end of the first successful run, seconds
     slowest: list[str]  # the rows that took longest from commit to success, with their runs
     last_to_settle: list[str]  # the last successful runs, timed from the last fault
@@ -112,6 +147,8 @@ class Report:
     last_fault: str
     settle_seconds: float | None
     settle_limit: float
+    unsettled_count: int  # rows not settled when the settle limit passed
+    unsettled_rows: list[dict[str, str]]  # their states (the first SHOWN_ROWS), runs attached
     elapsed: float
     throughput: float
     verdicts: list[Verdict] = field(default_factory=list)
@@ -145,6 +182,7 @@ def assess(rec: Records, facts: Facts) -> Report:
         config=facts.config,
         logdir=facts.logdir,
         faults=dict(Counter(f.kind for f in facts.faults)),
+        fault_kinds=list(facts.fault_kinds),
         fault_log=[asdict(f) for f in facts.faults],
         rows=len(rec.enqueued),
         rows_by_family=dict(Counter(e.family for e in rec.enqueued)),
@@ -158,9 +196,28 @@ def assess(rec: Records, facts: Facts) -> Report:
         live_at_last_fault=facts.live_at_last_fault,
         stranded_by_last_fault=facts.stranded_by_last_fault,
         settle_limit=facts.settle_limit,
+        unsettled_count=facts.unsettled_count,
+        unsettled_rows=[
+            {**state, "runs": _runs_of(state, rec, by_row, facts)} for state in facts.unsettled
+        ],
     )
     report.verdicts = verdicts(report, rec, facts, fates)
     return report
+
+
+def _runs_of(
+    state: Mapping[str, str], rec: Records, by_row: Mapping[int, list[Run]], facts: Facts
+) -> str:
+    """The handler runs of an unsettled row, timed from the last fault."""
+    try:
+        row = int(state.get("id", ""))
+    except ValueError:
+        return "-"
+    runs = by_row.get(row, [])
+    if not runs:
+        return "never ran"
+    origin = facts.faults[-1].at if facts.faults else 0.0
+    return history(row, rec.run_family.get(row, "?"), runs, origin, facts.kills)
 
 
 def _fates(rec: Records, fates: dict[int, Fate]) -> dict[str, Any]:
@@ -193,15 +250,22 @@ def _effects(rec: Records) -> dict[str, Any]:
 
 
 def _overlaps(rec: Records, spans: list[Span], succeeded: set[int]) -> dict[str, Any]:
-    capped = [s for s in spans if rec.run_family.get(s.row_id) == "capped"]
     ordered = [s for s in spans if rec.run_family.get(s.row_id) == "ordered"]
     lines: dict[str, list[int]] = defaultdict(list)
     for e in sorted(rec.enqueued, key=lambda e: e.row_id):
         if e.family == "ordered" and e.actor is not None:
             lines[e.actor].append(e.row_id)
+    breaches: list[dict[str, Any]] = []
+    peaks: dict[str, int] = {}
+    for family in CAPPED:
+        capped = [s for s in spans if rec.run_family.get(s.row_id) == family]
+        breaches += [
+            {"family": family, **asdict(b)} for b in checks.concurrency_breaches(capped, CAP)
+        ]
+        peaks[family] = max(checks.peak_concurrency(capped).values(), default=0)
     return {
-        "cap_breaches": [asdict(b) for b in checks.concurrency_breaches(capped, CAP)][:50],
-        "cap_peak": max(checks.peak_concurrency(capped).values(), default=0),
+        "cap_breaches": breaches[:50],
+        "cap_peak": peaks,
         "order_breaches": [asdict(b) for b in checks.order_breaches(lines, ordered, succeeded)][
             :50
         ],
@@ -209,11 +273,23 @@ def _overlaps(rec: Records, spans: list[Span], succeeded: set[int]) -> dict[str,
     }
 
 
+def delivered_rows(rec: Records) -> set[int]:
+    """Rows the outbox settled as delivered: deleted, or kept as done."""
+    out = set()
+    for e in rec.enqueued:
+        final = rec.finals.get(e.row_id)
+        if (final is None and not e.keeps_done) or (final is not None and final.done):
+            out.add(e.row_id)
+    return out
+
+
 def _runs(rec: Records, spans: list[Span]) -> dict[str, Any]:
     killed = Counter(
         rec.run_family.get(s.row_id, "?") for s in spans if s.closed is checks.Closed.KILLED
     )
     told = Counter(rec.run_family.get(r.row_id, "?") for r in rec.runs if r.maybe_applied)
+    gave_up = Counter(rec.run_family.get(r.row_id, "?") for r in rec.runs if r.gave_up)
+    unfinished = checks.delivered_unfinished(rec.runs, delivered_rows(rec))
     return {
         "runs": len(rec.runs),
         "runs_closed_by_kill": sum(killed.values()),
@@ -222,6 +298,13 @@ def _runs(rec: Records, spans: list[Span]) -> dict[str, Any]:
         "maybe_applied_by_family": dict(told),
         "maybe_applied_runs": sum(told.values()),
         "told_to_stop_runs": sum(1 for r in rec.runs if r.told_to_stop),
+        "gave_up_by_family": dict(gave_up),
+        "soft_limit_runs": sum(1 for r in rec.runs if r.error == "SoftTimeLimitExceeded"),
+        "delivered_unfinished": [
+            {"family": rec.run_family.get(u.row_id, "?"), **asdict(u)} for u in unfinished[:50]
+        ],
+        "delivered_unfinished_count": len(unfinished),
+        "delivered_unfinished_by_how": dict(Counter(u.how for u in unfinished)),
     }
 
 
@@ -265,10 +348,13 @@ def _timing(
 def verdicts(report: Report, rec: Records, facts: Facts, fates: dict[int, Fate]) -> list[Verdict]:
     dup_txn, dup_other = report.dup_txn, report.dup_other
     cancelled = sum(1 for f in fates.values() if f is Fate.CANCELLED)
+    # a lost row is counted once, as lost, whatever it was planned to do
     permanent_unparked = [
         e.row_id
         for e in rec.enqueued
-        if e.permanent and fates[e.row_id] not in (Fate.PARKED_EXPECTED, Fate.PARKED_LOST)
+        if e.permanent
+        and fates[e.row_id] not in (Fate.PARKED_EXPECTED, Fate.PARKED_LOST)
+        and fates[e.row_id] not in checks.LOST
     ]
     missing = [k for k in facts.fault_kinds if k not in report.faults]
     settle = report.settle_seconds
@@ -303,8 +389,14 @@ def verdicts(report: Report, rec: Records, facts: Facts, fates: dict[int, Fate])
             not report.phantom_rows,
         ),
         Verdict(
-            f"cap breaches (cap {CAP})",
-            f"{len(report.cap_breaches)} (peak {report.cap_peak})",
+            "delivered by an attempt that gave up on is_cancelled, failed or never returned",
+            _unfinished_value(report),
+            "0",
+            report.delivered_unfinished_count == 0,
+        ),
+        Verdict(
+            f"cap breaches (cap {CAP}: {', '.join(CAPPED)})",
+            f"{len(report.cap_breaches)} (peak {max(report.cap_peak.values(), default=0)})",
             "0",
             not report.cap_breaches,
         ),
@@ -335,12 +427,69 @@ def verdicts(report: Report, rec: Records, facts: Facts, fates: dict[int, Fate])
         Verdict("cancelled rows (none requested)", str(cancelled), "0", cancelled == 0),
         Verdict(
             "settle after the last fault",
-            "never" if settle is None else f"{settle:.1f} s",
-            f"<= {facts.settle_limit:.0f} s (2 leases)",
-            checks.within(settle, facts.settle_limit),
+            _settle_value(settle, report.unsettled_count, facts.settle_limit),
+            f"<= {facts.settle_limit:g} s (2 x max(lease, heartbeat_timeout))",
+            report.unsettled_count == 0 and checks.within(settle, facts.settle_limit),
         ),
         Verdict("every fault kind injected", ", ".join(missing) or "all", "all", not missing),
     ]
+
+
+def _unfinished_value(report: Report) -> str:
+    hows = Counter(report.delivered_unfinished_by_how)
+    detail = ", ".join(f"{n} {how.split(' (')[0]}" for how, n in hows.most_common())
+    return f"{report.delivered_unfinished_count}" + (f" ({detail})" if detail else "")
+
+
+def _settle_value(settle: float | None, unsettled: int, limit: float) -> str:
+    if not unsettled:
+        return "never" if settle is None else f"{settle:.1f} s"
+    late = "never settled" if settle is None else f"all settled after {settle:.1f} s"
+    return f"{unsettled} rows unsettled at +{limit:g} s ({late})"
+
+
+def state_value(column: str, value: object, origin: float) -> str:
+    """One column of a row's printed state, from the row as JSON (``to_jsonb``, so an
+    'infinity' due time survives): times as the wall clock and the offset from the last fault
+    (what the settle limit counts from), NULL as null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and (column.endswith("_at") or column == "due_since"):
+        try:
+            when = datetime.fromisoformat(value)
+        except ValueError:
+            return value  # infinity
+        clock = when.astimezone().strftime("%H:%M:%S.%f")[:-3]
+        return f"{clock} ({when.timestamp() - origin:+.1f} s)"
+    return str(value)
+
+
+def state_of(row: Mapping[str, object], origin: float) -> dict[str, str]:
+    """Every column of an outbox row (but payload and trace context) as printed."""
+    return {k: state_value(k, v, origin) for k, v in row.items() if k not in STATE_OMITTED}
+
+
+def row_state(state: Mapping[str, str]) -> str:
+    """``column=value`` for every column of an unsettled row: the leading columns first."""
+    keys = [k for k in STATE_COLUMNS if k in state]
+    keys += [k for k in state if k not in STATE_COLUMNS and k not in STATE_OMITTED and k != "runs"]
+    return " ".join(f"{k}={state[k]}" for k in keys)
+
+
+def unsettled_lines(rows: list[dict[str, str]], count: int) -> list[str]:
+    """The printed states of the rows that did not settle in time, their runs below each."""
+    if not count:
+        return []
+    lines = [f"rows not settled within the settle limit: {count}"]
+    for state in rows[:SHOWN_ROWS]:
+        lines.append("  " + row_state(state))
+        if "runs" in state:
+            lines.append("    runs: " + state["runs"])
+    if count > min(len(rows), SHOWN_ROWS):
+        lines.append(f"  ... and {count - min(len(rows), SHOWN_ROWS)} more")
+    return lines
 
 
 def history(row: int, family: str, runs: list[Run], origin: float, kills: list[Kill]) -> str:
@@ -349,7 +498,10 @@ def history(row: int, family: str, runs: list[Run], origin: float, kills: list[K
     parts = []
     for r in sorted(runs, key=lambda r: r.started):
         [span] = checks.close_runs([r], kills, lease=0.0)
-        how = {checks.Closed.RECORDED: "ok" if r.ok else "failed"}.get(span.closed, span.closed)
+        ended = "gave up on is_cancelled" if r.gave_up else "ok" if r.ok else "failed"
+        if r.error and not r.ok:
+            ended += f" ({r.error})"
+        how = {checks.Closed.RECORDED: ended}.get(span.closed, span.closed)
         flag = " maybe_applied" if r.maybe_applied else ""
         parts.append(
             f"attempt {r.attempt}{flag}: {r.started - origin:+.1f}..{span.end - origin:+.1f} s"
@@ -398,6 +550,9 @@ def render(report: Report) -> str:
         f" {report.maybe_applied_runs} with maybe_applied, {report.told_to_stop_runs} told to"
         f" stop, {report.runs_closed_by_kill} ended by a kill, {report.runs_without_end} without"
         " an end or a kill",
+        f"polite runs that gave up on is_cancelled by family: {report.gave_up_by_family};"
+        f" runs interrupted by SoftTimeLimitExceeded: {report.soft_limit_runs}; cap peaks:"
+        f" {report.cap_peak}",
         "commit to first successful run: "
         + ", ".join(f"p{k} {v:.2f} s" for k, v in report.latency.items()),
         f"runs killed mid-run by family: {report.killed_runs_by_family}; runs told"
@@ -415,6 +570,7 @@ def render(report: Report) -> str:
             f" outcome (max_lost): {report.parked_lost_rows[:20]}"
         )
     for name, items in (
+        ("delivered by an unfinished attempt", report.delivered_unfinished),
         ("lost rows", report.lost_rows),
         ("parked for other reasons", report.parked_other),
         ("cap breaches", report.cap_breaches),
@@ -425,5 +581,6 @@ def render(report: Report) -> str:
     ):
         if items:
             lines.append(f"{name}: {items[:10]}")
+    lines += unsettled_lines(report.unsettled_rows, report.unsettled_count)
     lines.append(f"\nchaos: {'OK' if report.ok else 'FAILED'}")
     return "\n".join(lines)

@@ -1,8 +1,12 @@
-"""The chaos run: a private Postgres and Redis, delivery workers and two claimers, a producer
-committing rows (each with a business record in the same transaction) while workers, pool
-processes and claimers are killed -9 every few seconds, broker connections are cut, Redis
-restarts once with its data lost and Postgres once (kill -9 of the whole cluster). Then the
-outbox must settle, and every invariant measurable from the records is checked.
+"""The chaos run: a private Postgres and Redis, delivery workers (threads and prefork pools)
+and two claimers, a producer committing rows (each with a business record in the same
+transaction) while workers, pool processes, one claimer or both (their beats with them) are
+killed -9 every few seconds and broker connections are cut; once each, at set shares of the
+duration: Redis FLUSHDB (data lost, server up), Redis restarted with its data lost, Postgres
+killed -9 (crash recovery) and Postgres stopped by a fast shutdown and started. Then every row
+must settle (delivered, or parked as planned) within the settle limit of the last fault,
+``2 * max(lease, heartbeat_timeout)`` over the run's families; the state of every row that
+did not is printed; and every invariant measurable from the records is checked.
 
 ``python -m outbox_dispatch.chaos.run --rows 20000 --duration 600`` (``scripts/chaos``).
 Exit status 1 when a check fails.
@@ -32,9 +36,9 @@ import psycopg
 from outbox_dispatch.errors import OutboxError
 from outbox_dispatch.migrations import migrate
 
-from .checks import Enqueued, Final, Kill, Run
-from .fleet import Fleet, Member
-from .report import Facts, Fault, Records, Report, assess, render
+from .checks import Enqueued, Final, Kill, Run, settle_limit
+from .fleet import POOLS, Fleet, Member
+from .report import SHOWN_ROWS, Facts, Fault, Records, Report, assess, render, state_of
 from .services import ServiceError, Services
 from .workload import (
     KEEPS_DONE,
@@ -43,6 +47,7 @@ from .workload import (
     Settings,
     build,
     plan_workload,
+    policies,
     schema_sql,
     with_role,
 )
@@ -56,17 +61,30 @@ class FaultKind(StrEnum):
 
     KILL_WORKER = "kill -9 worker"
     KILL_POOL_PROCESS = "kill -9 pool process"
+    KILL_TRICKLE = "kill -9 the workers running trickle rows (max_in_flight 2)"
     KILL_CLAIMER = "kill -9 claimer"
+    KILL_CLAIMERS = "kill -9 every claimer (both beats)"
     CUT_BROKER = "cut broker connections"
+    REDIS_FLUSHDB = "Redis FLUSHDB, server up"
     REDIS_RESTART = "Redis restart, data lost"
     POSTGRES_RESTART = "Postgres restart (kill -9)"
+    POSTGRES_FAST = "Postgres fast shutdown and start"
 
 
 RANDOM_FAULTS = (
-    (FaultKind.KILL_WORKER, 0.35),
-    (FaultKind.KILL_POOL_PROCESS, 0.20),
-    (FaultKind.KILL_CLAIMER, 0.25),
+    (FaultKind.KILL_WORKER, 0.30),
+    (FaultKind.KILL_POOL_PROCESS, 0.15),
+    # every worker with a trickle row in progress: the family's whole max_in_flight dies
+    # started, which it must get back from dead workers
+    (FaultKind.KILL_TRICKLE, 0.10),
+    (FaultKind.KILL_CLAIMER, 0.17),
+    (FaultKind.KILL_CLAIMERS, 0.08),
     (FaultKind.CUT_BROKER, 0.20),
+)
+UNSETTLED = (
+    "o.parked_at IS NULL AND o.cancelled_at IS NULL AND o.done_at IS NULL"
+    " AND NOT (o.blocked AND EXISTS (SELECT 1 FROM {outbox} p WHERE p.family = o.family"
+    " AND p.actor = o.actor AND p.parked_at IS NOT NULL))"
 )
 
 
@@ -82,15 +100,19 @@ class ChaosConfig:
     seed: int = 1
     fault_interval: float = 4.0  # mean seconds between random faults (jittered ±50 %)
     lease: float = 10.0
+    heartbeat_timeout: float = 0.0  # given to families when the core has it; 0: the lease
+    pools: str = "threads,prefork"  # the workers' pools, in turn
     produce_share: float = 1.0  # rows are enqueued evenly over this share of the duration
-    redis_restart_at: float = 0.35  # share of the duration
-    postgres_restart_at: float = 0.6
-    settle_timeout: float = 0.0  # 0: max(120 s, 12 leases)
+    redis_restart_at: float = 0.2  # share of the duration
+    redis_flush_at: float = 0.33
+    postgres_restart_at: float = 0.5
+    postgres_fast_at: float = 0.67
+    settle_timeout: float = 0.0  # 0: max(30 s, 3 settle limits) after the last fault
     logdir: str = ""
 
     @property
-    def settle_limit(self) -> float:
-        return 2 * self.lease
+    def pool_list(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.pools.split(",") if p.strip())
 
 
 class Producer(threading.Thread):
@@ -213,11 +235,7 @@ class Monitor:
         """Rows not delivered, parked or cancelled, except those an ordered line holds behind
         a parked head (they wait for an operator, by design)."""
         rows = self.query(
-            f"SELECT count(*) FROM {self.outbox} o"
-            " WHERE o.parked_at IS NULL AND o.cancelled_at IS NULL AND o.done_at IS NULL"
-            "   AND NOT (o.blocked AND EXISTS (SELECT 1 FROM "
-            f"{self.outbox} p WHERE p.family = o.family AND p.actor = o.actor"
-            "   AND p.parked_at IS NOT NULL))"
+            f"SELECT count(*) FROM {self.outbox} o WHERE {UNSETTLED.format(outbox=self.outbox)}"
         )
         return None if not rows else int(rows[0][0])
 
@@ -240,6 +258,7 @@ class Chaos:
             redis_url=services.redis.url,
             lease=config.lease,
             parent_pid=os.getpid(),
+            heartbeat_timeout=config.heartbeat_timeout,
         )
         self.fleet = Fleet(
             self.settings,
@@ -247,7 +266,16 @@ class Chaos:
             workers=config.workers,
             claimers=config.claimers,
             rng=random.Random(config.seed + 1),
+            pools=config.pool_list,
         )
+        self.settle_limit = self._settle_limit()
+        self.kinds = [
+            k
+            for k in FaultKind
+            if k is not FaultKind.KILL_POOL_PROCESS or "prefork" in config.pool_list
+        ]
+        self.unsettled: list[dict[str, str]] = []  # rows unsettled at the settle limit
+        self.unsettled_count = 0
         self.monitor = Monitor(self.settings)
         self.faults: list[Fault] = []
         self.kills: list[Kill] = []
@@ -255,6 +283,15 @@ class Chaos:
         self.stranded = 0  # runs in progress that the last fault killed
         self.t0 = 0.0
         self._last_line = 0.0
+
+    def _settle_limit(self) -> float:
+        """2 * max(lease, heartbeat_timeout) over the families as this core declares them."""
+        app, dispatcher = build(with_role(self.settings, "producer"))
+        try:
+            return settle_limit(policies(dispatcher))
+        finally:
+            dispatcher.close()
+            app.close()
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -313,8 +350,9 @@ class Chaos:
             app.close()
 
     def _inject_faults(self, producer: Producer) -> None:
-        """Random faults every ``fault_interval`` (jittered) and the two restarts at their share
-        of the duration; the last fault is a kill -9 of a worker caught running handlers, in
+        """Random faults every ``fault_interval`` (jittered) and the four service faults (Redis
+        restart and FLUSHDB, Postgres kill -9 and fast shutdown) at their shares of the
+        duration; the last fault is a kill -9 of a worker caught running handlers, in
         the last seconds of production. The settle time is then measured from the costliest
         fault (its rows wait for their lease), not from whatever fault happened to come last
         on an idle fleet."""
@@ -322,7 +360,9 @@ class Chaos:
         forced = sorted(
             [
                 (cfg.duration * cfg.redis_restart_at, FaultKind.REDIS_RESTART),
+                (cfg.duration * cfg.redis_flush_at, FaultKind.REDIS_FLUSHDB),
                 (cfg.duration * cfg.postgres_restart_at, FaultKind.POSTGRES_RESTART),
+                (cfg.duration * cfg.postgres_fast_at, FaultKind.POSTGRES_FAST),
             ]
         )
         # every random kind once, in random order, before the weighted draw takes over
@@ -375,6 +415,22 @@ class Chaos:
         )
         return next((up[int(r[0])] for r in rows or [] if int(r[0]) in up), None)
 
+    def _running(self, family: str, wait: float = 2.0) -> list[Member]:
+        """The running workers with a run of ``family`` in progress, waiting up to ``wait``
+        seconds for one to have some."""
+        deadline = time.monotonic() + wait
+        while True:
+            up = {m.proc.pid: m for m in self.fleet.up("worker", settled_for=3.0) if m.proc}
+            rows = self.monitor.query(
+                f"SELECT DISTINCT pgid FROM {self.settings.table('chaos_runs')}"
+                " WHERE family = %s AND ended IS NULL AND started > %s",
+                (family, time.time() - self.config.lease),
+            )
+            found = [up[pgid] for pgid in sorted({int(r[0]) for r in rows or []} & set(up))]
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
     def _stranded(self, kill: Kill | None) -> int:
         """Runs in progress in the processes a kill took down: they run again after their
         lease."""
@@ -388,11 +444,17 @@ class Chaos:
         return int(rows[0][0]) if rows else 0
 
     def _inject(self, kind: FaultKind, victim: Member | None = None) -> Kill | None:
-        """Inject one fault; the kill it made, if it was one."""
+        """Inject one fault; the kill it made (the last, when it killed several), if any."""
+        running = self._running("trickle") if kind is FaultKind.KILL_TRICKLE else []
         at = time.time()
         kill: Kill | None = None
         target = ""
         restart_in = self.rng.uniform(0.5, 3.0)
+        if kind is FaultKind.KILL_TRICKLE:
+            if running:
+                kill, target = self._kill_all(running)
+            else:  # no trickle row in progress just now
+                kind = FaultKind.KILL_WORKER
         if kind is FaultKind.KILL_POOL_PROCESS:
             prefork = [m for m in self.fleet.up("worker", settled_for=3.0) if m.pool == "prefork"]
             kill = self.fleet.kill_pool_child(self.rng.choice(prefork)) if prefork else None
@@ -410,18 +472,39 @@ class Chaos:
             kill = self.fleet.kill(victim, restart_in)
             self.kills.append(kill)
             target = f"{victim.name} (pgid {kill.pgid}, back in {restart_in:.1f} s)"
+        elif kind is FaultKind.KILL_CLAIMERS:
+            claimers = self.fleet.up("claimer", settled_for=3.0)
+            if not claimers:
+                return None
+            kill, target = self._kill_all(claimers)
         elif kind is FaultKind.CUT_BROKER:
             target = f"{self.services.redis.cut_connections()} connections closed"
+        elif kind is FaultKind.REDIS_FLUSHDB:
+            keys = self.services.redis.flushdb()
+            target = f"port {self.services.redis.port}, {keys} keys gone, connections kept"
         elif kind is FaultKind.REDIS_RESTART:
             self.services.redis.restart(down=1.0)
             target = f"port {self.services.redis.port}, down 1 s"
         elif kind is FaultKind.POSTGRES_RESTART:
             self.services.postgres.restart(down=1.0)
             target = f"port {self.services.postgres.port}, down 1 s, crash recovery"
+        elif kind is FaultKind.POSTGRES_FAST:
+            how = self.services.postgres.fast_restart(down=1.0)
+            target = f"port {self.services.postgres.port}, {how}, down 1 s"
         fault = Fault(round(time.monotonic() - self.t0, 2), at, kind.value, target)
         self.faults.append(fault)
         self._say(f"[{fault.t:6.1f}s] fault: {kind.value} {target}")
         return kill
+
+    def _kill_all(self, members: list[Member]) -> tuple[Kill, str]:
+        """kill -9 several members at once, each back after its own delay."""
+        parts = []
+        for m in members:
+            back = self.rng.uniform(0.5, 3.0)
+            kill = self.fleet.kill(m, back)
+            self.kills.append(kill)
+            parts.append(f"{m.name} (pgid {kill.pgid}, back in {back:.1f} s)")
+        return kill, ", ".join(parts)
 
     def _keep_fleet(self) -> None:
         """Restart killed members when their time comes; one that died on its own is a crash
@@ -435,20 +518,50 @@ class Chaos:
         self.fleet.restart_due()
 
     def _settle(self, producer: Producer) -> float | None:
-        """Wait until every committed row is settled; the time it happened, or None."""
-        timeout = self.config.settle_timeout or max(120.0, 12 * self.config.lease)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Wait until every committed row is settled; the time it happened, or None. The
+        limit counts from the last fault (from the producer's last commit if that came
+        later); rows still unsettled when it passes have their state taken then, and the wait
+        goes on to ``settle_timeout`` so the report can tell late rows from stuck ones."""
+        limit = self.settle_limit
+        origin = self.faults[-1].at if self.faults else time.time()
+        timeout = self.config.settle_timeout or max(30.0, 3 * limit)
+        while producer.is_alive() and time.time() < origin + timeout:
             self._keep_fleet()
             self._progress(producer)
-            if producer.is_alive():
-                time.sleep(0.2)
-                continue
-            if self.monitor.unsettled() == 0:
-                return time.time()
             time.sleep(0.2)
-        self._say(f"the outbox did not settle within {timeout:.0f} s after the fault phase")
+        due = max(origin, producer.done_at if not producer.is_alive() else time.time()) + limit
+        snapped = False
+        while time.time() < max(origin + timeout, due):
+            self._keep_fleet()
+            self._progress(producer)
+            if not producer.is_alive() and self.monitor.unsettled() == 0:
+                return time.time()
+            if not snapped and time.time() >= due:
+                snapped = self._snapshot(origin)
+            time.sleep(0.2)
+        self._say(f"the outbox did not settle within {timeout:.0f} s of the last fault")
         return None
+
+    def _snapshot(self, origin: float) -> bool:
+        """The full state of the rows not settled when the settle limit passed (the first
+        SHOWN_ROWS: started and claimed rows first, they tell why), and how many there are."""
+        outbox = self.settings.table("outbox")
+        where = UNSETTLED.format(outbox=outbox)
+        count = self.monitor.query(f"SELECT count(*) FROM {outbox} o WHERE {where}")
+        rows = self.monitor.query(
+            f"SELECT to_jsonb(o) FROM {outbox} o WHERE {where}"
+            " ORDER BY o.started_at IS NULL, o.claim_token IS NULL, o.id LIMIT %s",
+            (SHOWN_ROWS,),
+        )
+        if not count or rows is None:
+            return False  # Postgres unreachable: the next poll tries again
+        self.unsettled_count = int(count[0][0])
+        self.unsettled = [state_of(r[0], origin) for r in rows]
+        self._say(
+            f"{self.unsettled_count} rows not settled {self.settle_limit:g} s after the last"
+            " fault; their states are in the report"
+        )
+        return True
 
     def _live(self) -> int:
         for _ in range(50):
@@ -474,9 +587,7 @@ class Chaos:
         self._last_line = now
         counts = self.monitor.counts()
         kinds = Counter(f.kind for f in self.faults)
-        short = " ".join(
-            f"{k.name.split('_')[-1].lower()} {kinds.get(k.value, 0)}" for k in FaultKind
-        )
+        short = " ".join(f"{k.name.lower()} {kinds.get(k.value, 0)}" for k in self.kinds)
         elapsed = now - self.t0
         if counts is None:
             state = "postgres unreachable"
@@ -548,9 +659,11 @@ class Chaos:
         plain: list[tuple[int, int, bool]] = []  # effects of handlers that are not transactional
         for r in self._fetch(
             "SELECT row_id, family, actor, attempt, maybe_applied, pid, pgid, started, ended,"
-            f" ok, told_to_stop, effect_at FROM {table('chaos_runs')}"
+            f" ok, told_to_stop, effect_at, gave_up, error FROM {table('chaos_runs')}"
         ):
-            run = Run(int(r[0]), r[2], int(r[3]), r[4], r[5], r[6], r[7], r[8], r[9], r[10])
+            run = Run(
+                int(r[0]), r[2], int(r[3]), r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[12], r[13]
+            )
             runs.append(run)
             run_family[run.row_id] = str(r[1])
             if r[11] is not None and r[1] not in TRANSACTIONAL:
@@ -571,7 +684,7 @@ class Chaos:
         facts = Facts(
             config=asdict(self.config),
             logdir=str(self.logdir),
-            fault_kinds=tuple(k.value for k in FaultKind),
+            fault_kinds=tuple(k.value for k in self.kinds),
             faults=self.faults,
             kills=self.kills,
             crashes=self.crashes,
@@ -583,6 +696,9 @@ class Chaos:
             stranded_by_last_fault=self.stranded,
             settled_at=settled_at,
             now=time.time(),
+            settle_limit=self.settle_limit,
+            unsettled=self.unsettled,
+            unsettled_count=self.unsettled_count,
         )
         return assess(self._collect(), facts)
 
@@ -641,10 +757,23 @@ def parse(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
         "--lease", type=float, default=d.lease, help="lease of every family, s (%(default)s)"
     )
     p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=d.heartbeat_timeout,
+        help="heartbeat_timeout of every family, s, where the core has the option"
+        " (default: the lease)",
+    )
+    p.add_argument(
+        "--pools",
+        default=d.pools,
+        help="the workers' pools, comma-separated, given in turn (%(default)s)",
+    )
+    p.add_argument(
         "--settle-timeout",
         type=float,
         default=0.0,
-        help="seconds to wait for the outbox to settle (default: max(120, 12 leases))",
+        help="seconds after the last fault to wait for rows that missed the settle limit, to"
+        " tell late from stuck (default: max(30, 3 settle limits))",
     )
     p.add_argument(
         "--logdir", default="", help="where logs, CSV dumps and chaos.json go (default: a temp dir)"
@@ -655,6 +784,11 @@ def parse(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
     a = p.parse_args(argv)
     if a.rows < 1 or a.duration < 10 or a.workers < 1 or a.claimers < 1 or a.lease < 1:
         p.error("need --rows >= 1, --duration >= 10, --workers >= 1, --claimers >= 1, --lease >= 1")
+    pools = [x.strip() for x in a.pools.split(",") if x.strip()]
+    if not pools or any(x not in POOLS for x in pools):
+        p.error(f"--pools takes {' and '.join(POOLS)}, comma-separated")
+    if a.heartbeat_timeout < 0:
+        p.error("--heartbeat-timeout must be >= 0 (0: the lease)")
     config = ChaosConfig(
         rows=a.rows,
         duration=a.duration,
@@ -663,6 +797,8 @@ def parse(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
         seed=a.seed,
         fault_interval=a.fault_interval,
         lease=a.lease,
+        heartbeat_timeout=a.heartbeat_timeout,
+        pools=",".join(pools),
         settle_timeout=a.settle_timeout,
         logdir=a.logdir,
     )

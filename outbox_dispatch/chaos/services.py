@@ -1,16 +1,20 @@
 """A private Postgres cluster and Redis for one chaos run, on free ports, that the run may
-kill -9 and restart. The machine's shared Postgres and Redis are never touched.
+kill -9, shut down or flush, and restart. The machine's shared Postgres and Redis are never
+touched.
 
 Postgres: ``initdb`` into a fresh directory with trust auth. initdb and postgres refuse to run
 as root, so as root both run as the ``postgres`` OS user (``Popen(user=...)``, no PAM session
 in between, so the postmaster is our direct child), in a directory that user owns. A restart
 kills the postmaster and every backend at once (their process group) and starts again: crash
-recovery, as after a power cut of the database alone. ``fsync=off``: a killed process loses
+recovery, as after a power cut of the database alone. A fast shutdown (``pg_ctl stop -m fast``,
+what an orchestrator's stop or a failover does) ends every session with an admin-shutdown
+error, checkpoints and exits; then the cluster starts again. ``fsync=off``: a killed process loses
 nothing the kernel already has, and the run never crashes the kernel, so this costs no
 durability here and spares a shared 2-core machine the flushes.
 
 Redis: ``--save "" --appendonly no``, so a restart loses every key: broker queues, unacked
-messages, cap semaphores and their sentinel.
+messages, cap semaphores and their sentinel. FLUSHDB loses them too while the server and every
+connection to it stay up (an operator's mistake, or a failover to an empty replica).
 
 Children are wrapped in ``setpriv --pdeathsig KILL`` when it exists, so they die with the
 orchestrator even if it is killed -9 (postgres backends follow their postmaster).
@@ -53,6 +57,7 @@ class Binaries:
     postgres: str
     initdb: str
     redis: str
+    pg_ctl: str | None = None  # a fast shutdown without it is the SIGINT pg_ctl would send
 
 
 def find_binaries() -> Binaries:
@@ -86,7 +91,8 @@ def find_binaries() -> Binaries:
         raise ServiceError("the chaos run needs " + " and ".join(missing))
     assert pg is not None
     assert rs is not None
-    return Binaries(f"{pg}/postgres", f"{pg}/initdb", rs)
+    pg_ctl = f"{pg}/pg_ctl" if os.access(f"{pg}/pg_ctl", os.X_OK) else None
+    return Binaries(f"{pg}/postgres", f"{pg}/initdb", rs, pg_ctl)
 
 
 def preflight() -> Binaries:
@@ -219,6 +225,12 @@ class PrivatePostgres(_PrivateServer):
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
+    def _user(self) -> dict[str, Any]:
+        """subprocess arguments that run a Postgres tool as the cluster's owner."""
+        if self.owner is None:
+            return {}
+        return {"user": self.owner.pw_uid, "group": self.owner.pw_gid, "extra_groups": []}
+
     def init(self) -> None:
         args = [
             self.binaries.initdb,
@@ -232,11 +244,8 @@ class PrivatePostgres(_PrivateServer):
             "UTF8",
             "--no-sync",
         ]
-        user: dict[str, Any] = {}
-        if self.owner is not None:
-            user = {"user": self.owner.pw_uid, "group": self.owner.pw_gid, "extra_groups": []}
         done = subprocess.run(
-            args, capture_output=True, text=True, cwd=str(self.root), check=False, **user
+            args, capture_output=True, text=True, cwd=str(self.root), check=False, **self._user()
         )
         if done.returncode != 0:
             raise ServiceError(f"initdb failed ({done.returncode}): {done.stderr[-1500:]}")
@@ -268,6 +277,39 @@ class PrivatePostgres(_PrivateServer):
                 conn.execute("SELECT 1")
 
         self._wait_until_up(ping, psycopg.OperationalError, timeout, "Postgres", 0.1)
+
+    def fast_restart(self, down: float = 1.0, timeout: float = 30.0) -> str:
+        """``pg_ctl stop -m fast``, then start again: every session is ended with an
+        admin-shutdown error, and new ones are refused while it shuts down. Returns how it was
+        stopped (pg_ctl, or its SIGINT where pg_ctl is missing or fails)."""
+        assert self.proc is not None
+        how = "SIGINT to the postmaster"
+        if self.binaries.pg_ctl is not None:
+            args = [self.binaries.pg_ctl, "stop", "-D", str(self.data), "-m", "fast", "-w"]
+            done = subprocess.run(
+                [*args, "-t", str(int(timeout))],
+                capture_output=True,
+                text=True,
+                cwd=str(self.root),
+                check=False,
+                **self._user(),
+            )
+            if done.returncode == 0:
+                how = "pg_ctl stop -m fast"
+            else:
+                event(log, logging.WARNING, "chaos_pg_ctl_failed", done.stderr[-500:])
+        if how != "pg_ctl stop -m fast":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGINT)  # what pg_ctl -m fast sends
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            how += ", then kill -9 (it did not stop in time)"
+        self.kill()  # reaps it; kills any backend still about
+        time.sleep(down)
+        self.start()
+        event(log, logging.WARNING, self.restarted, f"port {self.port}, {how}")
+        return how
 
     def close(self) -> None:
         self.kill()
@@ -328,6 +370,18 @@ class PrivateRedis(_PrivateServer):
             for kind in ("normal", "pubsub"):
                 n += int(client.client_kill_filter(_type=kind, skipme=True))
             return n
+        finally:
+            client.close()
+
+    def flushdb(self) -> int:
+        """FLUSHDB on the run's database: every key gone, the server and every connection up.
+        Returns how many keys there were."""
+        client = self.client()
+        try:
+            keys = int(client.dbsize())
+            client.flushdb()
+            event(log, logging.WARNING, "chaos_redis_flushed", f"port {self.port}, {keys} keys")
+            return keys
         finally:
             client.close()
 

@@ -1,9 +1,21 @@
-"""What the chaos run delivers: four families, handlers that record every run, and the rows.
+"""What the chaos run delivers: seven families, handlers that record every run, and the rows.
 
 - ``intent`` (retried forever) and ``job`` (bounded attempts, done rows kept): per-row work;
   ``job``'s handler is transactional, its effect commits with the settle.
 - ``capped``: at most 2 runs per actor at once; a few hot actors keep their cap full.
 - ``ordered``: one actor's rows one at a time, in enqueue order.
+
+The families below model what users do that the four above do not; their handlers are
+*polite*: they work in small steps and return early, without their effect, when they see
+``ctx.is_cancelled`` (what the docs ask), and record that they did, so a "delivered" settle of
+such an attempt shows as a defect.
+
+- ``trickle``: ``max_in_flight`` of 2, runs of 0.2-0.8 s, so kills catch its rows started.
+- ``limited``: a ``time_limit`` of a fifth of the lease that some first attempts overrun: a
+  threads worker's heartbeat sets ``is_cancelled`` at the hard limit, a prefork worker raises
+  SoftTimeLimitExceeded in the handler at the soft one.
+- ``polite``: capped at 2 per actor over 20 actors; some runs span heartbeats, so a lapsed cap
+  slot reaches them as ``is_cancelled``.
 
 Handlers record each run (start, effect, end, outcome, pid and process group) on their own
 connection, retried through a Postgres restart, so a run's record survives everything but the
@@ -12,6 +24,7 @@ death of its process; the orchestrator knows when it killed which process.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -32,12 +45,16 @@ from outbox_dispatch.naming import quoted
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("intent", "job", "capped", "ordered")
+FAMILIES = ("intent", "job", "capped", "ordered", "trickle", "limited", "polite")
 COMMANDS = {f: f"chaos.{f}" for f in FAMILIES}
 TRANSACTIONAL = frozenset({"job"})
+POLITE = frozenset({"trickle", "limited", "polite"})  # return early on ctx.is_cancelled
 CAP = 2
+CAPPED = ("capped", "polite")  # families capped at CAP runs per actor
+TRICKLE_IN_FLIGHT = 2
 JOB_RETENTION = 86400.0  # job keeps delivered rows as done: the end state is read, not inferred
-KEEPS_DONE = frozenset({"job"})  # families whose retention keeps delivered rows
+KEEPS_DONE = frozenset({"job", "trickle"})  # families whose retention keeps delivered rows
+STEP = 0.05  # seconds between a polite handler's looks at ctx.is_cancelled
 Effect = Callable[[Context], None]  # what a handler does to the world, once it decided to
 DELIVERY_QUEUES = ",".join(f"outbox.{f}" for f in FAMILIES)
 CLAIM_QUEUE = "outbox.claim"
@@ -55,6 +72,7 @@ class Settings:
     role: str = "worker"  # worker (delivers), claimer (claim queue, beat, wake) or producer
     pool_size: int = 6
     parent_pid: int = 0  # the orchestrator: a process whose orchestrator died kills itself
+    heartbeat_timeout: float = 0.0  # given to every family when the core has it; 0: the lease
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -68,6 +86,7 @@ class Settings:
             role=e.get("CHAOS_ROLE", "worker"),
             pool_size=int(e.get("CHAOS_POOL_SIZE", "6")),
             parent_pid=int(e.get("CHAOS_PARENT_PID", "0")),
+            heartbeat_timeout=float(e.get("CHAOS_HEARTBEAT_TIMEOUT", "0")),
         )
 
     def env(self) -> dict[str, str]:
@@ -80,6 +99,7 @@ class Settings:
             "CHAOS_ROLE": self.role,
             "CHAOS_POOL_SIZE": str(self.pool_size),
             "CHAOS_PARENT_PID": str(self.parent_pid),
+            "CHAOS_HEARTBEAT_TIMEOUT": str(self.heartbeat_timeout),
         }
 
     def table(self, name: str) -> str:
@@ -97,29 +117,62 @@ def schema_sql(settings: Settings) -> list[str]:
         " run_id uuid PRIMARY KEY, row_id bigint NOT NULL, family text NOT NULL, actor text,"
         " attempt int NOT NULL, maybe_applied bool NOT NULL, pid int NOT NULL,"
         " pgid int NOT NULL, started float8 NOT NULL, effect_at float8, ended float8, ok bool,"
-        " told_to_stop bool NOT NULL DEFAULT false)",
+        " told_to_stop bool NOT NULL DEFAULT false, gave_up bool NOT NULL DEFAULT false,"
+        " error text)",
         f"CREATE TABLE IF NOT EXISTS {settings.table('chaos_effects')} ("
         " row_id bigint NOT NULL, attempt int NOT NULL, maybe_applied bool NOT NULL,"
         " pid int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
     ]
 
 
-def declare_families(d: Dispatcher, lease: float) -> None:
-    """Every family on one lease, so "settled within 2 leases" names one number; short
-    backoff, so a retried row does not outlast the run."""
+def has_heartbeat_timeout(family: Callable[..., Any] = Dispatcher.family) -> bool:
+    """Whether this core's ``Dispatcher.family`` takes ``heartbeat_timeout`` (seconds a started
+    attempt may go without a heartbeat before it counts as lost): the harness runs against
+    cores with and without it."""
+    return "heartbeat_timeout" in inspect.signature(family).parameters
+
+
+def time_limit_of(lease: float) -> float:
+    """The ``limited`` family's time limit: its hard limit (plus a second) stays well inside a
+    lease, so an overrun costs no more than the settle limit allows."""
+    return round(lease / 5, 3)
+
+
+def declare_families(d: Dispatcher, lease: float, heartbeat_timeout: float = 0.0) -> None:
+    """Every family on one lease (and one heartbeat timeout, where the core has it), so
+    "settled within 2 leases" names one number; short backoff, so a retried row does not
+    outlast the run."""
     quick = Backoff(0.2, 2.0, 0.2)
-    d.family("intent", max_attempts=None, lease=lease, backoff=quick, max_in_flight=400)
-    d.family(
-        "job",
-        max_attempts=8,
-        lease=lease,
-        backoff=quick,
-        retention=JOB_RETENTION,
-        max_in_flight=300,
-    )
-    d.family("capped", per_actor=CAP, max_attempts=8, lease=lease, backoff=quick, max_in_flight=200)
+    common: dict[str, Any] = {"lease": lease, "backoff": quick}
+    if has_heartbeat_timeout(d.family):
+        common["heartbeat_timeout"] = heartbeat_timeout or lease
+    d.family("intent", max_attempts=None, max_in_flight=400, **common)
+    d.family("job", max_attempts=8, retention=JOB_RETENTION, max_in_flight=300, **common)
+    d.family("capped", per_actor=CAP, max_attempts=8, max_in_flight=200, **common)
     # retried forever: a parked head would hold its actor's line to the end of the run
-    d.family("ordered", ordered=True, max_attempts=None, lease=lease, backoff=quick)
+    d.family("ordered", ordered=True, max_attempts=None, **common)
+    d.family(
+        "trickle",
+        max_attempts=8,
+        retention=JOB_RETENTION,
+        max_in_flight=TRICKLE_IN_FLIGHT,
+        **common,
+    )
+    d.family(
+        "limited", max_attempts=8, time_limit=time_limit_of(lease), max_in_flight=300, **common
+    )
+    d.family("polite", per_actor=CAP, max_attempts=8, max_in_flight=200, **common)
+
+
+def policies(d: Dispatcher) -> list[tuple[float, float | None]]:
+    """(lease, heartbeat_timeout) of every family the run declares, as the core holds them:
+    a core with ``heartbeat_timeout`` reports its own (it may have a default of its own)."""
+    out = []
+    for name in FAMILIES:
+        fam = d.families[name]
+        hb = getattr(fam, "heartbeat_timeout", None)
+        out.append((float(fam.lease), None if hb is None else float(hb)))
+    return out
 
 
 class Recorder:
@@ -184,10 +237,20 @@ class Recorder:
 
         return effect
 
-    def end(self, run_id: uuid.UUID, ended: float, ok: bool, told_to_stop: bool) -> None:
+    def end(
+        self,
+        run_id: uuid.UUID,
+        ended: float,
+        ok: bool,
+        told_to_stop: bool,
+        *,
+        gave_up: bool = False,
+        error: str | None = None,
+    ) -> None:
         self._write(
-            f"UPDATE {self.runs} SET ended = %s, ok = %s, told_to_stop = %s WHERE run_id = %s",
-            (ended, ok, told_to_stop, run_id),
+            f"UPDATE {self.runs} SET ended = %s, ok = %s, told_to_stop = %s, gave_up = %s,"
+            " error = %s WHERE run_id = %s",
+            (ended, ok, told_to_stop, gave_up, error, run_id),
         )
 
 
@@ -219,18 +282,53 @@ def work(ctx: Context, payload: dict[str, Any], effect: Effect) -> None:
     _sleep(ctx, half, stoppable=False)
 
 
-def recorded(recorder: Recorder, effect: Effect | None) -> Callable[[Context, Any], None]:
-    """A handler whose start is on record before it does anything, and its end after."""
+def polite_work(ctx: Context, payload: dict[str, Any], effect: Effect) -> bool:
+    """A handler that honours ``ctx.is_cancelled`` the way the docs ask: it works in small
+    steps and, once told, returns at once without its effect. True when it gave up so.
+
+    It fails (as planned) only after its work, and takes effect as its very last step, so a
+    time limit or a cancel never lands between the effect and the return: an attempt either
+    did its work or it did not, and the record says which. ``overrun``: the first attempts
+    run ``over_ms`` instead, past the family's time limit."""
+    ms = payload.get("ms", 10)
+    if ctx.attempt <= payload.get("overrun", 0):
+        ms = payload.get("over_ms", ms)
+    until = time.monotonic() + ms / 1000.0
+    while (left := until - time.monotonic()) > 0:
+        if ctx.is_cancelled:
+            return True
+        time.sleep(min(left, STEP))
+    if ctx.is_cancelled:
+        return True
+    if payload.get("permanent"):
+        raise PermanentFailure(f"row {ctx.row_id} is planned to fail for good")
+    if ctx.attempt <= payload.get("fail", 0):
+        raise RuntimeError(f"row {ctx.row_id} planned to fail attempt {ctx.attempt}")
+    effect(ctx)
+    return False
+
+
+def recorded(
+    recorder: Recorder, effect: Effect | None, *, polite: bool = False
+) -> Callable[[Context, Any], None]:
+    """A handler whose start is on record before it does anything, and its end after, with
+    its own view of how it ended: done, gave up on ``is_cancelled``, or raised what."""
 
     def handler(ctx: Context, payload: Any) -> None:
         run_id = uuid.uuid4()
         recorder.start(run_id, ctx, time.time())
+        act = effect if effect is not None else recorder.effect_of(run_id)
+        gave_up = False
         try:
-            work(ctx, payload, effect if effect is not None else recorder.effect_of(run_id))
-        except BaseException:
-            recorder.end(run_id, time.time(), False, ctx.is_cancelled)
+            if polite:
+                gave_up = polite_work(ctx, payload, act)
+            else:
+                work(ctx, payload, act)
+        except BaseException as exc:
+            error = type(exc).__name__
+            recorder.end(run_id, time.time(), False, ctx.is_cancelled, error=error)
             raise
-        recorder.end(run_id, time.time(), True, ctx.is_cancelled)
+        recorder.end(run_id, time.time(), not gave_up, ctx.is_cancelled, gave_up=gave_up)
 
     return handler
 
@@ -257,7 +355,7 @@ def build(settings: Settings) -> tuple[Celery, Dispatcher]:
         key_prefix="chaos",
         listen=settings.role == "claimer",
     )
-    declare_families(dispatcher, settings.lease)
+    declare_families(dispatcher, settings.lease, settings.heartbeat_timeout)
     recorder = Recorder(settings)
     effects = settings.table("chaos_effects")
 
@@ -269,7 +367,7 @@ def build(settings: Settings) -> tuple[Celery, Dispatcher]:
 
     for family in FAMILIES:
         txn = family in TRANSACTIONAL
-        handler = recorded(recorder, in_transaction if txn else None)
+        handler = recorded(recorder, in_transaction if txn else None, polite=family in POLITE)
         dispatcher.handler(COMMANDS[family], family=family, transactional=txn)(handler)
     if settings.parent_pid and settings.role != "producer":
         _watch_parent(settings.parent_pid)
@@ -305,18 +403,31 @@ class Planned:
         return Message(COMMANDS[self.family], self.payload, actor=self.actor)
 
 
-SHARES = (("intent", 0.30), ("job", 0.25), ("capped", 0.25), ("ordered", 0.20))
+SHARES = (
+    ("intent", 0.26),
+    ("job", 0.22),
+    ("capped", 0.20),
+    ("ordered", 0.16),
+    ("trickle", 0.04),  # about 1 row/s at the default sizes: max_in_flight 2 keeps up
+    ("limited", 0.06),
+    ("polite", 0.06),
+)
 CAPPED_ACTORS = 30
 HOT_ACTORS = 3  # take 30 % of the capped rows: their cap is full most of the time
 ORDERED_ACTORS = 50
+POLITE_ACTORS = 20
+# of limited rows: the first attempt runs past the time limit; enough that some land on a
+# prefork worker (SoftTimeLimitExceeded) and some on a threads one (is_cancelled) in a short run
+OVERRUN_SHARE = 0.25
 
 
 def plan_workload(rows: int, rng: random.Random, lease: float) -> list[Planned]:
     """Handlers of 10-150 ms (so kills find runs in progress); 4 % fail their first attempt
     and 1 % their first two; 0.5 % (not in the ordered family, where a parked head holds the
-    line) raise PermanentFailure; 0.3 % of capped and job rows run for 35-60 % of a lease,
-    across a heartbeat (lease/3), and the re-run of one stranded by a kill still ends within
-    2 leases of the kill."""
+    line) raise PermanentFailure; 0.3 % of capped and job rows and 5 % of polite ones run for
+    35-60 % of a lease, across a heartbeat (lease/3), and the re-run of one stranded by a
+    kill still ends within 2 leases of the kill. Trickle rows run 0.2-0.8 s; a quarter of the
+    limited rows overrun their time limit fourfold on the first attempt and are quick after."""
     out = []
     for seq in range(rows):
         pick, family = rng.random(), "ordered"
@@ -331,7 +442,14 @@ def plan_workload(rows: int, rng: random.Random, lease: float) -> list[Planned]:
             actor = f"cap{rng.randrange(HOT_ACTORS) if hot else rng.randrange(CAPPED_ACTORS)}"
         elif family == "ordered":
             actor = f"line{rng.randrange(ORDERED_ACTORS)}"
+        elif family == "polite":
+            actor = f"pol{rng.randrange(POLITE_ACTORS)}"
         payload: dict[str, Any] = {"seq": seq, "ms": rng.randint(10, 150)}
+        if family == "trickle":
+            payload["ms"] = rng.randint(200, 800)
+        elif family == "limited" and rng.random() < OVERRUN_SHARE:
+            payload["overrun"] = 1
+            payload["over_ms"] = int(time_limit_of(lease) * 4000)
         roll = rng.random()
         if roll < 0.01:
             payload["fail"] = 2
@@ -339,7 +457,8 @@ def plan_workload(rows: int, rng: random.Random, lease: float) -> list[Planned]:
             payload["fail"] = 1
         if family != "ordered" and rng.random() < 0.005:
             payload["permanent"] = True
-        if family in ("capped", "job") and rng.random() < 0.003:
+        long_share = {"capped": 0.003, "job": 0.003, "polite": 0.05}.get(family, 0.0)
+        if rng.random() < long_share:
             payload["ms"] = int(lease * 1000 * rng.uniform(0.35, 0.6))
         out.append(Planned(seq, family, actor, payload))
     return out

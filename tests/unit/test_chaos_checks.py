@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from celery import Celery
 from hypothesis import given
 from hypothesis import strategies as st
 
+from outbox_dispatch import Context, Dispatcher, PermanentFailure
 from outbox_dispatch.chaos.checks import (
+    GAVE_UP,
     LOST,
+    NO_END,
     Closed,
     Enqueued,
     Fate,
@@ -14,16 +24,39 @@ from outbox_dispatch.chaos.checks import (
     Kill,
     Run,
     Span,
+    Unfinished,
+    Verdict,
     classify,
     close_runs,
     concurrency_breaches,
+    delivered_unfinished,
     duplicate_effects,
     order_breaches,
     peak_concurrency,
     percentiles,
     reruns_of_one_claim,
+    settle_limit,
     within,
 )
+from outbox_dispatch.chaos.report import (
+    SHOWN_ROWS,
+    Facts,
+    Fault,
+    Records,
+    assess,
+    row_state,
+    state_of,
+    unsettled_lines,
+)
+from outbox_dispatch.chaos.workload import (
+    FAMILIES,
+    declare_families,
+    has_heartbeat_timeout,
+    policies,
+    polite_work,
+    time_limit_of,
+)
+from outbox_dispatch.policy import Family
 
 
 def run(
@@ -268,3 +301,233 @@ def test_nearest_rank_percentiles() -> None:
     assert percentiles(values, (50, 99, 100)) == {"50": 50.0, "99": 99.0, "100": 100.0}
     assert percentiles([3.0], (50, 99)) == {"50": 3.0, "99": 3.0}
     assert percentiles([], (50,)) == {}
+
+
+# -- attempts that delivered a row without doing its work --------------------------------------
+
+
+def test_a_row_delivered_by_an_attempt_that_gave_up_on_is_cancelled_is_found() -> None:
+    runs = [
+        Run(1, None, 1, False, 100, 10, 0.0, 2.0, False, True, gave_up=True),
+        Run(2, None, 1, False, 100, 10, 0.0, 2.0, False, True, gave_up=True),
+        Run(2, None, 2, False, 100, 10, 3.0, 3.1, True),  # retried, then done: fine
+        Run(3, None, 1, False, 100, 10, 0.0, 2.0, False, True, gave_up=True),  # not delivered
+        Run(4, None, 1, False, 100, 10, 0.0, 1.0, True),
+    ]
+    found = delivered_unfinished(runs, delivered={1, 2, 4})
+    assert found == [Unfinished(1, 1, GAVE_UP)]
+
+
+def test_a_row_delivered_by_a_run_that_raised_or_never_returned_is_found() -> None:
+    runs = [
+        Run(1, None, 1, False, 100, 10, 0.0, 1.0, False, error="SoftTimeLimitExceeded"),
+        Run(2, None, 1, False, 100, 10, 0.0, None, None),
+        Run(3, None, 1, False, 100, 10, 0.0, None, None),  # killed; the rerun settled it
+        Run(3, None, 2, True, 100, 10, 6.0, 6.1, True),
+    ]
+    found = delivered_unfinished(runs, delivered={1, 2, 3})
+    assert found == [Unfinished(1, 1, "raised SoftTimeLimitExceeded"), Unfinished(2, 1, NO_END)]
+
+
+def test_the_settling_attempt_is_the_last_to_start_whatever_the_order_of_the_records() -> None:
+    late_ok = Run(1, None, 2, True, 100, 10, 5.0, 5.2, True)
+    early_gave_up = Run(1, None, 1, False, 100, 10, 1.0, 3.0, False, True, gave_up=True)
+    assert delivered_unfinished([late_ok, early_gave_up], {1}) == []
+    # the other way round: the attempt that settled it is the one that gave up
+    late_gave_up = Run(1, None, 2, False, 100, 10, 5.0, 7.0, False, True, gave_up=True)
+    early_ok = Run(1, None, 1, False, 100, 10, 1.0, 1.2, True)
+    assert delivered_unfinished([late_gave_up, early_ok], {1}) == [Unfinished(1, 2, GAVE_UP)]
+
+
+# -- the settle limit ----------------------------------------------------------------------------
+
+
+def test_the_settle_limit_is_two_of_the_longest_lease_or_heartbeat_timeout() -> None:
+    assert settle_limit([(5.0, None), (10.0, None)]) == 20.0
+    assert settle_limit([(5.0, 30.0), (10.0, 8.0)]) == 60.0
+    assert settle_limit([(5.0, 3.0)]) == 10.0  # a timeout below the lease: the lease decides
+    with pytest.raises(ValueError, match="at least one family"):
+        settle_limit([])
+
+
+def _dispatcher(cls: type[Dispatcher] = Dispatcher) -> Dispatcher:
+    app = Celery("unit", broker="memory://", set_as_current=False)
+    return cls(app, database_url="postgresql://u@127.0.0.1:1/db", redis_url="redis://x:1/0")
+
+
+class _WithTimeout(Dispatcher):
+    """A core whose family() takes heartbeat_timeout, as the fixed one does."""
+
+    seen: dict[str, float]
+
+    def family(self, name: str, *, heartbeat_timeout: float = 30.0, **kw: Any) -> Family:
+        self.seen = {**getattr(self, "seen", {}), name: heartbeat_timeout}
+        return super().family(name, **kw)
+
+
+class _WithoutTimeout(Dispatcher):
+    """A core whose family() has no heartbeat_timeout, as the one before the fix."""
+
+    def family(self, name: str, **kw: Any) -> Family:
+        assert "heartbeat_timeout" not in kw, "given to a core that does not take it"
+        return super().family(name, **kw)
+
+
+def test_heartbeat_timeout_goes_to_family_only_where_the_core_takes_it() -> None:
+    older = _dispatcher(_WithoutTimeout)
+    assert not has_heartbeat_timeout(older.family)
+    declare_families(older, lease=5.0, heartbeat_timeout=7.0)
+    newer = _dispatcher(_WithTimeout)
+    assert has_heartbeat_timeout(newer.family)
+    declare_families(newer, lease=5.0, heartbeat_timeout=7.0)
+    assert isinstance(newer, _WithTimeout)
+    assert newer.seen == dict.fromkeys(FAMILIES, 7.0)
+    declare_families(newer, lease=5.0)  # 0: the lease
+    assert set(newer.seen.values()) == {5.0}
+
+
+def test_policies_read_the_families_as_the_core_holds_them() -> None:
+    d = _dispatcher()
+    declare_families(d, lease=4.0, heartbeat_timeout=6.0)
+    # this core's own: with the option, every family has the timeout given; without, none
+    timeout = 6.0 if has_heartbeat_timeout(d.family) else None
+    assert policies(d) == [(4.0, timeout)] * len(FAMILIES)
+    assert settle_limit(policies(d)) == 2 * (timeout or 4.0)
+    assert d.families["trickle"].max_in_flight == 2
+    assert d.families["limited"].time_limit == time_limit_of(4.0)
+
+
+# -- a polite handler's own view of how it ended -----------------------------------------------
+
+
+def _ctx(attempt: int = 1) -> Context:
+    return Context(1, "limited", "chaos.limited", None, attempt, "k", False)
+
+
+def test_a_polite_handler_told_to_stop_returns_without_its_effect() -> None:
+    effects: list[int] = []
+    ctx = _ctx()
+    ctx.cancelled.set()
+    assert polite_work(ctx, {"ms": 10_000}, lambda c: effects.append(c.attempt))
+    assert effects == []
+
+
+def test_a_polite_handler_that_is_not_told_does_its_work() -> None:
+    effects: list[int] = []
+    assert not polite_work(_ctx(), {"ms": 1}, lambda c: effects.append(c.attempt))
+    assert effects == [1]
+    with pytest.raises(PermanentFailure):
+        polite_work(_ctx(), {"ms": 1, "permanent": True}, lambda c: effects.append(0))
+    assert effects == [1]
+
+
+def test_an_overrunning_attempt_runs_its_long_time_and_stops_when_told() -> None:
+    ctx = _ctx(attempt=1)
+    threading.Timer(0.15, ctx.cancelled.set).start()
+    t0 = time.monotonic()
+    assert polite_work(ctx, {"ms": 1, "overrun": 1, "over_ms": 5000}, lambda c: None)
+    assert 0.1 < time.monotonic() - t0 < 1.0  # stopped in a step or two, not after 5 s
+    # the attempt after the overrun is quick
+    t0 = time.monotonic()
+    assert not polite_work(
+        _ctx(attempt=2), {"ms": 1, "overrun": 1, "over_ms": 5000}, lambda c: None
+    )
+    assert time.monotonic() - t0 < 0.5
+
+
+# -- the printed state of a row that did not settle --------------------------------------------
+
+
+def test_a_row_state_prints_times_from_the_last_fault_and_leads_with_the_key_columns() -> None:
+    origin = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC).timestamp()
+    raw = {
+        "created_at": "2026-01-01T11:59:50+00:00",
+        "payload": {"big": "x" * 100},
+        "trace_context": None,
+        "id": 7,
+        "family": "trickle",
+        "started_at": "2026-01-01T11:59:57.5+00:00",
+        "due_at": "infinity",
+        "claim_token": "14cff8d9-e9b0-4f9c-9eeb-c37779b85354",
+        "waiting": False,
+        "parked_at": None,
+    }
+    state = state_of(raw, origin)
+    assert "payload" not in state
+    assert "trace_context" not in state
+    assert state["started_at"].endswith("(-2.5 s)")
+    assert state["due_at"] == "infinity"
+    assert (state["waiting"], state["parked_at"]) == ("false", "null")
+    line = row_state(state)
+    assert line.startswith("id=7 family=trickle claim_token=14cff8d9")
+    assert line.index("started_at=") < line.index("due_at=") < line.index("created_at=")
+
+
+def test_at_most_the_shown_rows_are_printed_and_the_rest_counted() -> None:
+    rows = [{"id": str(i), "runs": "never ran"} for i in range(SHOWN_ROWS + 5)]
+    lines = unsettled_lines(rows, count=100)
+    assert lines[0] == "rows not settled within the settle limit: 100"
+    assert sum(1 for line in lines if line.startswith("  id=")) == SHOWN_ROWS
+    assert lines[-1] == f"  ... and {100 - SHOWN_ROWS} more"
+    assert unsettled_lines([], count=0) == []
+
+
+# -- the verdicts a run's records lead to ------------------------------------------------------
+
+
+def _assess(*, unsettled: int = 0, settled_at: float | None = 105.0) -> dict[str, Verdict]:
+    records = Records(
+        enqueued=[
+            Enqueued(1, "limited", None, False, False),
+            Enqueued(2, "intent", None, False, False),
+        ],
+        committed_at={1: 90.0, 2: 90.0},
+        finals={},  # both deleted: delivered
+        runs=[
+            Run(1, None, 1, False, 100, 10, 95.0, 97.0, False, True, gave_up=True),
+            Run(2, None, 1, False, 100, 10, 95.0, 95.1, True),
+        ],
+        run_family={1: "limited", 2: "intent"},
+        plain_effects=[(2, 1, False)],
+        txn_effects=[],
+        transactional=frozenset({"job"}),
+    )
+    facts = Facts(
+        config={"lease": 5.0},
+        logdir="",
+        fault_kinds=("kill -9 worker",),
+        faults=[Fault(1.0, 100.0, "kill -9 worker", "w0")],
+        kills=[],
+        crashes=[],
+        planned=2,
+        enqueued=2,
+        producer_retries=0,
+        first_commit_at=90.0,
+        live_at_last_fault=0,
+        stranded_by_last_fault=0,
+        settled_at=settled_at,
+        now=120.0,
+        settle_limit=10.0,
+        unsettled=[{"id": "1"}][:unsettled],
+        unsettled_count=unsettled,
+    )
+    return {v.name.split(" (")[0]: v for v in assess(records, facts).verdicts}
+
+
+def test_a_delivered_row_whose_handler_gave_up_fails_the_run_and_says_why() -> None:
+    verdicts = _assess()
+    unfinished = verdicts[
+        "delivered by an attempt that gave up on is_cancelled, failed or never returned"
+    ]
+    assert not unfinished.ok
+    assert unfinished.value == f"1 (1 {GAVE_UP})"
+    assert not verdicts["rows lost"].ok  # and it is lost: its work was never done
+    assert verdicts["settle after the last fault"].ok  # 5 s after the fault, limit 10 s
+
+
+def test_rows_unsettled_at_the_limit_fail_the_run_even_if_they_settle_later() -> None:
+    late = _assess(unsettled=3, settled_at=125.0)["settle after the last fault"]
+    assert not late.ok
+    assert late.value == "3 rows unsettled at +10 s (all settled after 25.0 s)"
+    stuck = _assess(unsettled=3, settled_at=None)["settle after the last fault"]
+    assert (stuck.ok, stuck.value) == (False, "3 rows unsettled at +10 s (never settled)")
