@@ -370,8 +370,8 @@ def delivered_unfinished(runs: Iterable[Run], delivered: set[int]) -> list[Unfin
 
 def settle_limit(policies: Iterable[tuple[float, float | None]]) -> float:
     """Two of the longest times the outbox may legitimately take to notice a lost attempt,
-    over the families of the run: ``(lease, heartbeat_timeout)`` each, the timeout None where
-    the core has no such option (then a started row counts as lost when its lease runs out)."""
+    over the families of the run: ``(lease, heartbeat_timeout)`` each (a claimed message may
+    wait one lease; a started attempt whose worker died is noticed one timeout later)."""
     longest = max((max(lease, hb or 0.0) for lease, hb in policies), default=0.0)
     if longest <= 0:
         raise ValueError("a settle limit needs at least one family with a lease")

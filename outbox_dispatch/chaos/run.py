@@ -100,7 +100,7 @@ class ChaosConfig:
     seed: int = 1
     fault_interval: float = 4.0  # mean seconds between random faults (jittered ±50 %)
     lease: float = 10.0
-    heartbeat_timeout: float = 0.0  # given to families when the core has it; 0: the lease
+    heartbeat_timeout: float = 0.0  # every family's; 0: the lease
     pools: str = "threads,prefork"  # the workers' pools, in turn
     produce_share: float = 1.0  # rows are enqueued evenly over this share of the duration
     redis_restart_at: float = 0.2  # share of the duration
@@ -760,8 +760,7 @@ def parse(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
         "--heartbeat-timeout",
         type=float,
         default=d.heartbeat_timeout,
-        help="heartbeat_timeout of every family, s, where the core has the option"
-        " (default: the lease)",
+        help="heartbeat_timeout of every family, s (default: the lease)",
     )
     p.add_argument(
         "--pools",

@@ -24,7 +24,6 @@ death of its process; the orchestrator knows when it killed which process.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import random
@@ -125,13 +124,6 @@ def schema_sql(settings: Settings) -> list[str]:
     ]
 
 
-def has_heartbeat_timeout(family: Callable[..., Any] = Dispatcher.family) -> bool:
-    """Whether this core's ``Dispatcher.family`` takes ``heartbeat_timeout`` (seconds a started
-    attempt may go without a heartbeat before it counts as lost): the harness runs against
-    cores with and without it."""
-    return "heartbeat_timeout" in inspect.signature(family).parameters
-
-
 def time_limit_of(lease: float) -> float:
     """The ``limited`` family's time limit: its hard limit (plus a second) stays well inside a
     lease, so an overrun costs no more than the settle limit allows."""
@@ -139,13 +131,14 @@ def time_limit_of(lease: float) -> float:
 
 
 def declare_families(d: Dispatcher, lease: float, heartbeat_timeout: float = 0.0) -> None:
-    """Every family on one lease (and one heartbeat timeout, where the core has it), so
-    "settled within 2 leases" names one number; short backoff, so a retried row does not
-    outlast the run."""
+    """Every family on one lease and one heartbeat timeout (0: the lease), so "settled within
+    2 leases" names one number; short backoff, so a retried row does not outlast the run."""
     quick = Backoff(0.2, 2.0, 0.2)
-    common: dict[str, Any] = {"lease": lease, "backoff": quick}
-    if has_heartbeat_timeout(d.family):
-        common["heartbeat_timeout"] = heartbeat_timeout or lease
+    common: dict[str, Any] = {
+        "lease": lease,
+        "backoff": quick,
+        "heartbeat_timeout": heartbeat_timeout or lease,
+    }
     d.family("intent", max_attempts=None, max_in_flight=400, **common)
     d.family("job", max_attempts=8, retention=JOB_RETENTION, max_in_flight=300, **common)
     d.family("capped", per_actor=CAP, max_attempts=8, max_in_flight=200, **common)
@@ -165,14 +158,8 @@ def declare_families(d: Dispatcher, lease: float, heartbeat_timeout: float = 0.0
 
 
 def policies(d: Dispatcher) -> list[tuple[float, float | None]]:
-    """(lease, heartbeat_timeout) of every family the run declares, as the core holds them:
-    a core with ``heartbeat_timeout`` reports its own (it may have a default of its own)."""
-    out = []
-    for name in FAMILIES:
-        fam = d.families[name]
-        hb = getattr(fam, "heartbeat_timeout", None)
-        out.append((float(fam.lease), None if hb is None else float(hb)))
-    return out
+    """(lease, heartbeat_timeout) of every family the run declares, as the core holds them."""
+    return [(float(d.families[n].lease), float(d.families[n].heartbeat_timeout)) for n in FAMILIES]
 
 
 class Recorder:

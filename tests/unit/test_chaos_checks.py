@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from datetime import UTC, datetime
-from typing import Any
 
 import pytest
 from celery import Celery
@@ -51,12 +50,10 @@ from outbox_dispatch.chaos.report import (
 from outbox_dispatch.chaos.workload import (
     FAMILIES,
     declare_families,
-    has_heartbeat_timeout,
     policies,
     polite_work,
     time_limit_of,
 )
-from outbox_dispatch.policy import Family
 
 
 def run(
@@ -355,46 +352,15 @@ def _dispatcher(cls: type[Dispatcher] = Dispatcher) -> Dispatcher:
     return cls(app, database_url="postgresql://u@127.0.0.1:1/db", redis_url="redis://x:1/0")
 
 
-class _WithTimeout(Dispatcher):
-    """A core whose family() takes heartbeat_timeout, as the fixed one does."""
-
-    seen: dict[str, float]
-
-    def family(self, name: str, *, heartbeat_timeout: float = 30.0, **kw: Any) -> Family:
-        self.seen = {**getattr(self, "seen", {}), name: heartbeat_timeout}
-        return super().family(name, **kw)
-
-
-class _WithoutTimeout(Dispatcher):
-    """A core whose family() has no heartbeat_timeout, as the one before the fix."""
-
-    def family(self, name: str, **kw: Any) -> Family:
-        assert "heartbeat_timeout" not in kw, "given to a core that does not take it"
-        return super().family(name, **kw)
-
-
-def test_heartbeat_timeout_goes_to_family_only_where_the_core_takes_it() -> None:
-    older = _dispatcher(_WithoutTimeout)
-    assert not has_heartbeat_timeout(older.family)
-    declare_families(older, lease=5.0, heartbeat_timeout=7.0)
-    newer = _dispatcher(_WithTimeout)
-    assert has_heartbeat_timeout(newer.family)
-    declare_families(newer, lease=5.0, heartbeat_timeout=7.0)
-    assert isinstance(newer, _WithTimeout)
-    assert newer.seen == dict.fromkeys(FAMILIES, 7.0)
-    declare_families(newer, lease=5.0)  # 0: the lease
-    assert set(newer.seen.values()) == {5.0}
-
-
 def test_policies_read_the_families_as_the_core_holds_them() -> None:
     d = _dispatcher()
     declare_families(d, lease=4.0, heartbeat_timeout=6.0)
-    # this core's own: with the option, every family has the timeout given; without, none
-    timeout = 6.0 if has_heartbeat_timeout(d.family) else None
-    assert policies(d) == [(4.0, timeout)] * len(FAMILIES)
-    assert settle_limit(policies(d)) == 2 * (timeout or 4.0)
+    assert policies(d) == [(4.0, 6.0)] * len(FAMILIES)
+    assert settle_limit(policies(d)) == 12.0
     assert d.families["trickle"].max_in_flight == 2
     assert d.families["limited"].time_limit == time_limit_of(4.0)
+    declare_families(d, lease=5.0)  # no timeout given: the lease
+    assert policies(d) == [(5.0, 5.0)] * len(FAMILIES)
 
 
 # -- a polite handler's own view of how it ended -----------------------------------------------
