@@ -4,7 +4,6 @@ Write a row with ``Dispatcher.enqueue`` in the same transaction as your business
 claimer moves due rows into Celery queues per family and workers deliver and settle them.
 """
 
-from .delivery import Outcome
 from .dispatcher import Dispatcher, DrainReport
 from .errors import (
     ConfigurationError,
@@ -27,6 +26,7 @@ from .errors import (
 )
 from .handlers import Context
 from .policy import Backoff, Family, LostAttempt
+from .settle import Outcome
 from .validation import Message
 
 __all__ = [

@@ -24,7 +24,8 @@ from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .logs import event
 from .policy import Candidate, CapRule, Family, broker_room, plan_capped_claim
-from .store import CappedDecision, Claimed, ClaimResult, Holder, Store
+from .rows import CappedDecision, Claimed, ClaimResult, Holder
+from .store import Store
 
 log = logging.getLogger(__name__)
 

@@ -20,30 +20,10 @@ from .appload import load_dispatcher
 from .errors import OutboxError
 from .logs import mask_dsn
 from .migrations import migrate
+from .tables import table
 
 DB_ENV = "OUTBOX_DATABASE_URL"
 SCHEMA_ENV = "OUTBOX_SCHEMA"
-
-
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A plain aligned text table; values are shown with str()."""
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.1f}"
-    if isinstance(value, datetime):
-        return value.isoformat(timespec="seconds")
-    text = str(value).replace("\n", " ")
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _json_default(value: Any) -> Any:
@@ -213,9 +193,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.run import main as bench_main
-
-    return bench_main([*args.bench_args, *(["--json"] if args.json else [])])
+    """The benchmark suite is not part of the installed library: it lives in the repository's
+    bench/ folder, with the peers it measures against (scripts/bench installs them)."""
+    raise OutboxError(
+        "the benchmark suite lives in the repository (bench/), not in the installed package: "
+        "from a checkout, run scripts/bench " + " ".join(args.bench_args)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

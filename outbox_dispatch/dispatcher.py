@@ -16,7 +16,7 @@ from . import metrics, tracing, wiring
 from .caps import Caps
 from .claimer import Claimer, ClaimReport
 from .cron import CatchUp, Schedule
-from .delivery import Delivery, Outcome, Result
+from .delivery import Delivery, Result
 from .errors import (
     ConfigurationError,
     DrainLoop,
@@ -31,8 +31,11 @@ from .logs import event, mask_dsn
 from .migrations import migrate
 from .naming import family_name, identifier
 from .policy import Backoff, CapRule, Family, LostAttempt, builtin_families, cap_rule
+from .pool import Conn
 from .publisher import Publisher
-from .store import Claimed, Conn, FamilyStatus, Store
+from .rows import Claimed, FamilyStatus
+from .settle import Outcome
+from .store import Store
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
 from .wake import WakeListener, install_bootstep
 
@@ -155,7 +158,7 @@ class Dispatcher:
         if listen:
             install_bootstep(app, self.wake_listener)
         metrics.install_worker_server(app, self)
-        wiring.on_worker_exit(self.delivery.settler.flush)
+        wiring.on_worker_exit(self.delivery.deferred.flush)
 
     def wake_listener(self) -> WakeListener:
         """The NOTIFY listener a worker runs (see wake.py); also usable on its own."""

@@ -24,7 +24,7 @@ from celery import Celery, signals
 
 from .claimer import batch_options, message_options
 from .policy import Family
-from .store import Claimed
+from .rows import Claimed
 
 _DISPLAY = ("shadow", "argsrepr", "kwargsrepr")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from outbox_dispatch.bench import rss
-from outbox_dispatch.bench.report import (
+from bench import rss
+from bench.report import (
     BATCHED,
     PER_ROW,
     Backpressure,
@@ -26,7 +26,7 @@ from outbox_dispatch.bench.report import (
     results_from_json,
     throughput_table,
 )
-from outbox_dispatch.bench.run import QUICK, parse_args
+from bench.run import QUICK, parse_args
 
 STATUS = """Name:\tcelery
 State:\tS (sleeping)
@@ -188,7 +188,7 @@ def test_options_quick_only_and_sizes() -> None:
 
 
 def test_cpu_groups_follow_the_process_tree_and_count_reaped_children() -> None:
-    from outbox_dispatch.bench import cpu
+    from bench import cpu
 
     line = "42 (celery (main)) S 7 42 42 0 -1 4194560 1 0 0 0 30 10 5 2 20 0 3 0 1 2 3"
     p = cpu.parse_stat(line)

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox_dispatch import Context, Dispatcher, PermanentFailure
-from outbox_dispatch.chaos.checks import (
+from tests.chaos.checks import (
     GAVE_UP,
     LOST,
     NO_END,
@@ -37,7 +37,7 @@ from outbox_dispatch.chaos.checks import (
     settle_limit,
     within,
 )
-from outbox_dispatch.chaos.report import (
+from tests.chaos.report import (
     SHOWN_ROWS,
     Facts,
     Fault,
@@ -47,7 +47,7 @@ from outbox_dispatch.chaos.report import (
     state_of,
     unsettled_lines,
 )
-from outbox_dispatch.chaos.workload import (
+from tests.chaos.workload import (
     FAMILIES,
     declare_families,
     policies,

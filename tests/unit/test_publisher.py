@@ -12,7 +12,7 @@ from celery import Celery, signals
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.claimer import message_options
 from outbox_dispatch.publisher import Publisher
-from outbox_dispatch.store import Claimed
+from outbox_dispatch.rows import Claimed
 
 
 class Recorder:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from outbox_dispatch.bench.procs import say
+from bench.procs import say
 from outbox_dispatch.migrations import migrate
 from outbox_dispatch.naming import quoted
 from outbox_dispatch.policy import Family

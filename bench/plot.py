@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from outbox_dispatch.bench.procs import say
-from outbox_dispatch.bench.report import Results
+from bench.procs import say
+from bench.report import Results
 
 COLORS = {
     "celery": "#7f7f7f",

@@ -8,7 +8,7 @@ must settle (delivered, or parked as planned) within the settle limit of the las
 ``2 * max(lease, heartbeat_timeout)`` over the run's families; the state of every row that
 did not is printed; and every invariant measurable from the records is checked.
 
-``python -m outbox_dispatch.chaos.run --rows 20000 --duration 600`` (``scripts/chaos``).
+``python -m tests.chaos.run --rows 20000 --duration 600`` (``scripts/chaos``).
 Exit status 1 when a check fails.
 """
 

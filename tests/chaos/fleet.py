@@ -25,7 +25,7 @@ from pathlib import Path
 from .checks import Kill
 from .workload import CLAIM_QUEUE, DELIVERY_QUEUES, Settings, with_role
 
-APP = "outbox_dispatch.chaos.app"
+APP = "tests.chaos.app"
 POOLS = ("prefork", "threads")
 
 

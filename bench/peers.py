@@ -30,7 +30,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from outbox_dispatch.bench.procs import (
+from bench.procs import (
     COUNTER,
     LATENCIES,
     System,
@@ -45,11 +45,11 @@ DCO_DB = "outbox_bench_dco"
 TX_ROWS = 1000  # rows per producer transaction, for every system
 RELAY_BATCH = 500  # our claimer's claim_batch
 RELAY_IDLE = 0.2  # the relay's poll interval: it has no commit wake, so this is its latency
-DCO_APP = "outbox_dispatch.bench.dco_app.app"
+DCO_APP = "bench.dco_app.app"
 
 
 def database_url() -> str:
-    from outbox_dispatch.bench.app import DATABASE_URL
+    from bench.app import DATABASE_URL
 
     return DATABASE_URL
 
@@ -84,7 +84,7 @@ def _async_redis() -> Any:
     if _aredis is None:
         import redis.asyncio
 
-        from outbox_dispatch.bench.app import REDIS_URL
+        from bench.app import REDIS_URL
 
         _aredis = redis.asyncio.Redis.from_url(REDIS_URL)
     return _aredis
@@ -218,7 +218,7 @@ def dco_system(concurrency: int, pool: str) -> Iterator[System]:
         from django.core.management import call_command
         from django.db import connections, transaction
 
-        from outbox_dispatch.bench import dco_app
+        from bench import dco_app
 
         call_command("migrate", "django_celery_outbox", verbosity=0)
 

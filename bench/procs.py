@@ -19,10 +19,10 @@ from pathlib import Path
 
 import redis
 
-from outbox_dispatch.bench import cpu
-from outbox_dispatch.bench.report import Latency, Throughput, percentile
+from bench import cpu
+from bench.report import Latency, Throughput, percentile
 
-APP = "outbox_dispatch.bench.app"
+APP = "bench.app"
 COUNTER = "outbox-bench:done"
 LATENCIES = "outbox-bench:latency"
 # keys the benchmark owns in its Redis db, deleted by pattern: the db may be shared, never flushed
@@ -58,7 +58,7 @@ class Proc:
 
 
 def celery(*args: str, env: dict[str, str] | None = None) -> Proc:
-    """``celery -A outbox_dispatch.bench.app ...``: the same app for every Celery-based system."""
+    """``celery -A bench.app ...``: the same app for every Celery-based system."""
     return Proc([sys.executable, "-m", "celery", "-A", APP, *args], env or {}, args[0])
 
 

@@ -3,7 +3,7 @@
 ``OutboxCelery.send_task`` turns ``task.delay()`` into a row in the outbox table, in the
 caller's ``transaction.atomic()``; its relay (``celery_outbox_relay``) then publishes the rows
 on this app's broker. The tasks are executed by the benchmark's ordinary Celery worker
-(``outbox_dispatch.bench.app``: same task names, same broker, same worker command as the plain
+(``bench.app``: same task names, same broker, same worker command as the plain
 Celery baseline), so only the path from the transaction to the broker differs.
 
 Imported only in the benchmark's own venv, where django-celery-outbox is installed.
@@ -15,7 +15,7 @@ from typing import Any
 
 from django_celery_outbox import OutboxCelery
 
-from outbox_dispatch.bench.app import REDIS_URL
+from bench.app import REDIS_URL
 
 app: Any = OutboxCelery("outbox_bench_dco", broker=REDIS_URL)
 app.conf.update(task_ignore_result=True)
@@ -23,9 +23,9 @@ app.conf.update(task_ignore_result=True)
 
 @app.task(name="bench.noop", ignore_result=True)  # type: ignore[untyped-decorator]
 def noop(n: int) -> None:
-    """Runs in the benchmark worker, as ``outbox_dispatch.bench.app.noop``."""
+    """Runs in the benchmark worker, as ``bench.app.noop``."""
 
 
 @app.task(name="bench.latency", ignore_result=True)  # type: ignore[untyped-decorator]
 def latency(sent: float) -> None:
-    """Runs in the benchmark worker, as ``outbox_dispatch.bench.app.plain_latency``."""
+    """Runs in the benchmark worker, as ``bench.app.plain_latency``."""

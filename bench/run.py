@@ -42,10 +42,10 @@ from typing import Any, TypeVar
 import psycopg
 import redis
 
-from outbox_dispatch.bench import procs as P
-from outbox_dispatch.bench import rss as rssmod
-from outbox_dispatch.bench.claimcost import claim_cost
-from outbox_dispatch.bench.report import (
+from bench import procs as P
+from bench import rss as rssmod
+from bench.claimcost import claim_cost
+from bench.report import (
     BATCHED,
     PER_ROW,
     Backpressure,
@@ -224,7 +224,7 @@ def _versions() -> dict[str, str]:
 
 
 def outbox_systems(o: Options, logdir: Path) -> tuple[list[P.System], P.Proc, P.Proc]:
-    from outbox_dispatch.bench import app as bench
+    from bench import app as bench
 
     worker = P.celery("worker", "-P", o.pool, "-c", str(o.concurrency), "--loglevel", "WARNING")
     beat = P.celery("beat", "--loglevel", "WARNING", "-s", str(logdir / "beat-schedule"))
@@ -264,7 +264,7 @@ def outbox_systems(o: Options, logdir: Path) -> tuple[list[P.System], P.Proc, P.
 
 def outbox_producer(command: str, actors: int = 0, tx_rows: int = 1000) -> Callable[[int], None]:
     """``n`` rows through ``enqueue_many``, ``tx_rows`` per transaction."""
-    from outbox_dispatch.bench import app as bench
+    from bench import app as bench
 
     def produce(n: int) -> None:
         with psycopg.connect(bench.DATABASE_URL) as conn:
@@ -325,7 +325,7 @@ def backpressure(
     with ``max_in_flight`` and a short lease. Each handler run is a row in a deliveries table;
     a trigger notes every claim; the driver samples the claimer's in-flight count and the
     queue length. Zero rows may run twice, and no lease may run out while its message waits."""
-    from outbox_dispatch.bench import app as bench
+    from bench import app as bench
 
     schema = f'"{bench.SCHEMA}"'
     env = {
@@ -463,8 +463,8 @@ def peers_available() -> str:
 
 
 def run(o: Options) -> Results:
-    from outbox_dispatch.bench import app as bench
-    from outbox_dispatch.bench.plot import plot
+    from bench import app as bench
+    from bench.plot import plot
 
     t_start = time.monotonic()
     r = redis.Redis.from_url(bench.REDIS_URL)
@@ -500,7 +500,7 @@ def run(o: Options) -> Results:
         if wants_peers and (why := peers_available()):
             P.say(f"peers: skipped: {why}")
         elif wants_peers:
-            from outbox_dispatch.bench.peers import dco_system, procrastinate_system
+            from bench.peers import dco_system, procrastinate_system
 
             for name in o.peers:
                 P.say(f"peers: setting up {name} (fresh database on the same Postgres)")
@@ -577,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     o = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_term)
     if o.replot:
-        from outbox_dispatch.bench.plot import plot
+        from bench.plot import plot
 
         results = results_from_json(json.loads(Path(o.replot).read_text()))
         print(json.dumps(results.to_json(), indent=2) if o.json else render(results))

@@ -11,8 +11,8 @@ import psycopg
 import redis
 from celery import Celery
 
+from bench.procs import COUNTER, LATENCIES
 from outbox_dispatch import Context, Dispatcher
-from outbox_dispatch.bench.procs import COUNTER, LATENCIES
 
 DATABASE_URL = os.environ.get(
     "OUTBOX_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from outbox_dispatch.cli import table
+from outbox_dispatch.tables import table
 
 # what each system's per-row throughput is compared with, and the targets (ours/theirs)
 PER_ROW = "outbox per-row"

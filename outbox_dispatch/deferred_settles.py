@@ -1,4 +1,4 @@
-"""Settles delivered rows off the handler's critical path, in batches.
+"""Deferred settles: delivered rows settled off the handler's critical path, in batches.
 
 A worker's per-row cost is two Postgres round trips, begin and settle. Once a handler has
 succeeded, its settle changes nothing the worker needs before it takes the next message, so
@@ -22,24 +22,26 @@ from collections.abc import Callable
 
 from .errors import OutboxError
 from .logs import event
-from .store import Started, Store
+from .rows import Started
+from .settle import SettleKind
+from .store import Store
 
 log = logging.getLogger(__name__)
 
 WINDOW = 0.002  # seconds the thread waits for more settles after the first
 
 
-class Settler:
-    def __init__(self, store: Store, refused: Callable[[str, Started], None]) -> None:
+class DeferredSettles:
+    def __init__(self, store: Store, refused: Callable[[SettleKind, Started], None]) -> None:
         self.store = store
         self.refused = refused  # the one-row settle, for rows the batch statement skipped
-        self._pending: list[tuple[str, Started]] = []
+        self._pending: list[tuple[SettleKind, Started]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
 
-    def add(self, kind: str, started: Started) -> None:
+    def add(self, kind: SettleKind, started: Started) -> None:
         with self._lock:
             self._pending.append((kind, started))
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
@@ -67,8 +69,8 @@ class Settler:
             except Exception as exc:  # never let the thread die: the next rows need it
                 event(log, logging.ERROR, "settle_batch_failed", repr(exc))
 
-    def _settle(self, batch: list[tuple[str, Started]]) -> None:
-        by_kind: dict[str, list[Started]] = {}
+    def _settle(self, batch: list[tuple[SettleKind, Started]]) -> None:
+        by_kind: dict[SettleKind, list[Started]] = {}
         for kind, started in batch:
             by_kind.setdefault(kind, []).append(started)
         for kind, rows in by_kind.items():
