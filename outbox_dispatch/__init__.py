@@ -4,7 +4,8 @@ Write a row with ``Dispatcher.enqueue`` in the same transaction as your business
 claimer moves due rows into Celery queues per family and workers deliver and settle them.
 """
 
-from .dispatcher import Dispatcher, DrainReport
+from .dispatcher import Dispatcher
+from .drain import DrainReport
 from .errors import (
     ConfigurationError,
     DatabaseError,

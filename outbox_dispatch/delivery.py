@@ -19,7 +19,7 @@ from .errors import PermanentFailure
 from .handlers import Context, HandlerFn, Registration, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
-from .policy import CapRule, Family
+from .policy import CapRule, Family, cap_rule
 from .pool import Conn
 from .rows import Started
 from .settle import (
@@ -104,10 +104,10 @@ class Delivery:
         families: Mapping[str, Family],
         *,
         caps: Caps | None = None,
-        cap_rule: Callable[[Family, str], CapRule | None] = lambda family, command: (
-            None if family.per_actor is None else CapRule("", family.per_actor)
+        cap_rule: Callable[[Family, str, str | None], CapRule | None] = (
+            lambda family, command, actor: cap_rule(family, command, None, actor)
         ),
-        wake: Callable[[str], None] = lambda family: None,
+        on_slot_freed: Callable[[str], None] = lambda family: None,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.store = store
@@ -115,7 +115,7 @@ class Delivery:
         self.families = families
         self.caps = caps
         self.cap_rule = cap_rule
-        self.wake = wake
+        self.on_slot_freed = on_slot_freed
         self.rand = rand
         self.heartbeats = Heartbeats(store)
         self.deferred = DeferredSettles(store, self._settle_refused)
@@ -393,7 +393,7 @@ class Delivery:
     ) -> Result:
         """Apply the settle decided for an attempt, and say what it came to."""
         applied = self._settle(settle, started, family)
-        result = Result(outcome(settle.kind, applied), started.id, settle.error or "")
+        result = Result(outcome(applied), started.id, settle.error or "")
         _report(started, result, settle, elapsed)
         return result
 
@@ -409,9 +409,9 @@ class Delivery:
     def _rule(self, started: Started, family: Family) -> CapRule | None:
         """The cap this row's slot counts against, when it took one: an actor, and a cap for
         its command (a family may cap some commands and not others)."""
-        if self.caps is None or started.actor is None:
+        if self.caps is None:
             return None
-        return self.cap_rule(family, started.command)
+        return self.cap_rule(family, started.command, started.actor)
 
     def _capped(self, started: Started, family: Family) -> bool:
         return self._rule(started, family) is not None
@@ -540,7 +540,7 @@ class Delivery:
             assert self.caps is not None
             assert started.actor is not None
             if self.caps.release(started.family, started.actor, started.token, rule.scope):
-                self.wake(started.family)
+                self.on_slot_freed(started.family)  # a claim lets a waiting row in
 
 
 def _deadlines(family: Family) -> tuple[float | None, float | None]:

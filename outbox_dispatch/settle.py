@@ -106,19 +106,19 @@ def stop_error(family: Family, error: str | None, stop: StopReason | None) -> st
     return error
 
 
-def outcome(requested: SettleKind, applied: SettleKind | None) -> Outcome:
-    """What a settle meant: the one applied (None: the claim no longer held), which is the
-    one requested or, when a cancel request was pending, the cancel."""
-    if applied is None:
-        return Outcome.LOST
-    if applied is SettleKind.CANCEL:
-        return Outcome.CANCELLED
-    return {
-        SettleKind.DELETE: Outcome.DELIVERED,
-        SettleKind.DONE: Outcome.DELIVERED,
-        SettleKind.RETRY: Outcome.RETRIED,
-        SettleKind.PARK: Outcome.PARKED,
-    }[requested]
+OUTCOME: dict[SettleKind, Outcome] = {
+    SettleKind.DELETE: Outcome.DELIVERED,
+    SettleKind.DONE: Outcome.DELIVERED,
+    SettleKind.RETRY: Outcome.RETRIED,
+    SettleKind.PARK: Outcome.PARKED,
+    SettleKind.CANCEL: Outcome.CANCELLED,
+}
+
+
+def outcome(applied: SettleKind | None) -> Outcome:
+    """What a settle meant: the one that applied (the one asked for, or the cancel when a
+    cancel request was pending); None: the claim no longer held, the attempt is lost."""
+    return Outcome.LOST if applied is None else OUTCOME[applied]
 
 
 def leaves_line(applied: SettleKind | None, parked_blocks: bool) -> bool:

@@ -10,8 +10,7 @@ import pytest
 from celery import Celery, signals
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.claimer import message_options
-from outbox_dispatch.publisher import Publisher
+from outbox_dispatch.publisher import Publisher, message_options
 from outbox_dispatch.rows import Claimed
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import psycopg
 
@@ -31,7 +30,7 @@ log = logging.getLogger(__name__)
 REFILL = 0.05  # seconds between claims of a family held back by its in-flight limit
 
 
-class WakeListener:
+class CommitListener:
     def __init__(
         self,
         database_url: str,
@@ -56,7 +55,7 @@ class WakeListener:
 
     def start(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="outbox-wake", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="outbox-listener", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -73,19 +72,19 @@ class WakeListener:
                 event(
                     log,
                     logging.WARNING,
-                    "wake_listener_down",
+                    "commit_listener_down",
                     f"listener lost Postgres at {mask_dsn(self.database_url)} "
                     f"({mask_dsn(str(exc))}); "
                     "beat's claim entry keeps rows moving, retrying in 1 s",
                 )
                 self._stop.wait(1.0)
             except Exception as exc:  # a claim failed: log it, keep listening
-                event(log, logging.ERROR, "wake_claim_failed", repr(exc))
+                event(log, logging.ERROR, "listener_claim_failed", repr(exc))
                 self._stop.wait(0.5)
 
     def _serve(self) -> None:
         with psycopg.connect(self.database_url, autocommit=True) as conn:
-            lock = f"{self.schema}.wake-listener"
+            lock = f"{self.schema}.wake-listener"  # kept: listeners of older versions share it
             while not self._stop.is_set():
                 row = conn.execute(
                     "SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (lock,)
@@ -97,7 +96,7 @@ class WakeListener:
                 return
             conn.execute(f"LISTEN {quoted(self.channel)}")
             self.leading.set()
-            event(log, logging.INFO, "wake_listening", f"listening on {self.channel}")
+            event(log, logging.INFO, "listener_listening", f"listening on {self.channel}")
             saturated: set[str] = set()
             while not self._stop.is_set():
                 wait = self.refill if saturated else 0.5
@@ -108,23 +107,3 @@ class WakeListener:
                     families |= {n.payload for n in conn.notifies(timeout=self.coalesce)}
                 report = self.claim(sorted(families | saturated))
                 saturated = set(getattr(report, "saturated", None) or ())
-
-
-def install_bootstep(app: Any, make: Callable[[], WakeListener]) -> None:
-    """Run a listener in each worker's main process (not in its pool children)."""
-    from celery import bootsteps
-
-    class OutboxWake(bootsteps.StartStopStep):  # type: ignore[misc]
-        def __init__(self, parent: Any, **kwargs: Any) -> None:
-            super().__init__(parent, **kwargs)
-            self.listener: WakeListener | None = None
-
-        def start(self, parent: Any) -> None:
-            self.listener = make()
-            self.listener.start()
-
-        def stop(self, parent: Any) -> None:
-            if self.listener is not None:
-                self.listener.stop()
-
-    app.steps["worker"].add(OutboxWake)

@@ -14,7 +14,7 @@ import pytest
 
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.claimer import ClaimReport
-from outbox_dispatch.wake import WakeListener
+from outbox_dispatch.listener import CommitListener
 
 
 def test_commit_wakes_the_listener_and_rollback_does_not(
@@ -28,7 +28,7 @@ def test_commit_wakes_the_listener_and_rollback_does_not(
         event.set()
         return ClaimReport()
 
-    listener = WakeListener(database_url, schema, dispatcher.store.channel, claim)
+    listener = CommitListener(database_url, schema, dispatcher.store.channel, claim)
     listener.start()
     try:
         assert listener.leading.wait(5)
@@ -60,8 +60,8 @@ def test_commit_wakes_the_listener_and_rollback_does_not(
 def test_only_one_listener_per_schema_leads(
     dispatcher: Dispatcher, database_url: str, schema: str
 ) -> None:
-    first = WakeListener(database_url, schema, dispatcher.store.channel, lambda f: ClaimReport())
-    second = WakeListener(
+    first = CommitListener(database_url, schema, dispatcher.store.channel, lambda f: ClaimReport())
+    second = CommitListener(
         database_url, schema, dispatcher.store.channel, lambda f: ClaimReport(), standby_retry=0.2
     )
     first.start()
@@ -94,7 +94,7 @@ def test_a_saturated_family_is_claimed_again_until_its_backlog_is_gone(
             return ClaimReport()
         return ClaimReport(saturated={"intent"})
 
-    listener = WakeListener(database_url, schema, dispatcher.store.channel, claim, refill=0.05)
+    listener = CommitListener(database_url, schema, dispatcher.store.channel, claim, refill=0.05)
     listener.start()
     try:
         assert listener.leading.wait(5)
