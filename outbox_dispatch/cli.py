@@ -194,11 +194,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The benchmark suite is not part of the installed library: it lives in the repository's
-    bench/ folder, with the peers it measures against (scripts/bench installs them)."""
-    raise OutboxError(
-        "the benchmark suite lives in the repository (bench/), not in the installed package: "
-        "from a checkout, run scripts/bench " + " ".join(args.bench_args)
-    )
+    bench/ folder. Run from a checkout, this runs it there (without the peers and the plot,
+    which scripts/bench installs into a venv of its own)."""
+    import subprocess
+    from pathlib import Path
+
+    if not Path("bench", "run.py").is_file():
+        raise OutboxError(
+            "the benchmark suite lives in the repository's bench/ folder, not in the installed "
+            "package: run this from a checkout, or run scripts/bench there"
+        )
+    extra = ["--json"] if args.json else []
+    return subprocess.call([sys.executable, "-m", "bench.run", *args.bench_args, *extra])
 
 
 def build_parser() -> argparse.ArgumentParser:
