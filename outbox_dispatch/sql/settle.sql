@@ -31,9 +31,16 @@ WHERE id = %(id)s AND claim_token = %(token)s
 RETURNING id;
 
 -- name: settle_cancel
--- The claim holder settles a row someone asked to cancel: it keeps who, when and why.
-WITH req AS (
-    DELETE FROM __SCHEMA__.outbox_cancel WHERE row_id = %(id)s
+-- The claim holder settles a row someone asked to cancel: it keeps who, when and why. The
+-- request is taken only under the current token, with the row locked first: a stale holder's
+-- settle must leave it for the current one (found by the model-based test: otherwise the
+-- current holder's success deleted the row as delivered after the cancel).
+WITH held AS (
+    SELECT id FROM __SCHEMA__.outbox
+    WHERE id = %(id)s AND claim_token = %(token)s
+    FOR UPDATE
+), req AS (
+    DELETE FROM __SCHEMA__.outbox_cancel WHERE row_id IN (SELECT id FROM held)
     RETURNING reason, requested_by
 )
 UPDATE __SCHEMA__.outbox o SET cancelled_at = now(), cancel_reason = req.reason,
