@@ -4,8 +4,8 @@ Write a row with ``Dispatcher.enqueue`` in the same transaction as your business
 claimer moves due rows into Celery queues per family and workers deliver and settle them.
 """
 
-from .delivery import Outcome
-from .dispatcher import Dispatcher, DrainReport
+from .dispatcher import Dispatcher
+from .drain import DrainReport
 from .errors import (
     ConfigurationError,
     DatabaseError,
@@ -27,6 +27,7 @@ from .errors import (
 )
 from .handlers import Context
 from .policy import Backoff, Family, LostAttempt
+from .settle import Outcome
 from .validation import Message
 
 __all__ = [

@@ -25,6 +25,14 @@ from .logs import event, mask_dsn
 
 log = logging.getLogger(__name__)
 
+SCRIPTS = {  # lua/: one script per step a slot goes through
+    "acquire": "caps_acquire.lua",
+    "renew": "caps_renew.lua",
+    "release": "caps_release.lua",
+    "restore": "caps_restore.lua",
+    "take_freed": "caps_take_freed.lua",
+}
+
 # A heartbeat's slot renewal gives up this soon (a partition must not hang the heartbeat
 # thread past the slot's end): the holder can then stop before its slot runs out.
 RENEW_TIMEOUT = 1.0
@@ -75,8 +83,8 @@ class Caps:
                     client = redis.Redis.from_url(
                         self.redis_url, socket_timeout=5, socket_connect_timeout=5
                     )
-                    for name in ("acquire", "renew", "restore", "release", "take_freed"):
-                        self._scripts[name] = client.register_script(_script(f"{name}.lua"))
+                    for name, file in SCRIPTS.items():
+                        self._scripts[name] = client.register_script(_script(file))
                     self._client = client
         return self._client
 

@@ -16,20 +16,28 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .logs import event
-from .policy import Candidate, CapRule, Family, broker_room, plan_capped_claim
-from .store import CappedDecision, Claimed, ClaimResult, Holder, Store
+from .policy import (
+    Candidate,
+    CapRule,
+    Family,
+    broker_room,
+    cap_rule,
+    family_is_capped,
+    plan_capped_claim,
+)
+from .rows import CappedDecision, Claimed, ClaimResult, Holder
+from .store import Store
 
 log = logging.getLogger(__name__)
 
 Publisher = Callable[[Family, list[Claimed]], None]
-CapRuleOf = Callable[[Family, str], CapRule | None]
+CapRuleOf = Callable[[Family, str, str | None], CapRule | None]
 
 
 @dataclass
@@ -55,10 +63,8 @@ class Claimer:
         *,
         batch: int = 500,
         caps: Caps | None = None,
-        cap_rule: CapRuleOf = lambda family, command: (
-            None if family.per_actor is None else CapRule("", family.per_actor)
-        ),
-        is_capped: Callable[[Family], bool] = lambda family: family.per_actor is not None,
+        cap_rule: CapRuleOf = lambda family, command, actor: cap_rule(family, command, None, actor),
+        is_capped: Callable[[Family], bool] = lambda family: family_is_capped(family, False),
         queued: Callable[[Family], int] = lambda family: 0,
     ) -> None:
         self.store = store
@@ -130,7 +136,7 @@ class Claimer:
         taken: dict[int, Slot] = {}  # row id -> the slot granted for it
 
         def rule(c: Candidate) -> CapRule | None:
-            return None if c.actor is None else self.cap_rule(family, c.command)
+            return self.cap_rule(family, c.command, c.actor)
 
         def decide(candidates: list[Candidate], limit: int) -> CappedDecision:
             plan = plan_capped_claim(candidates, rule, limit)
@@ -182,7 +188,7 @@ class Claimer:
         def slots(holders: list[Holder]) -> list[tuple[Slot, int]]:
             found = []
             for h in holders:
-                r = self.cap_rule(self.families[h.family], h.command)
+                r = self.cap_rule(self.families[h.family], h.command, h.actor)
                 if r is not None:
                     found.append(
                         (Slot(h.family, h.actor, h.token, r.limit, r.scope), h.remaining_ms)
@@ -264,38 +270,3 @@ class Claimer:
 def _add(counts: dict[str, int], key: str, n: int) -> None:
     if n:
         counts[key] = counts.get(key, 0) + n
-
-
-def message_options(family: Family, row: Claimed, queue: str) -> dict[str, Any]:
-    """Celery publish options: Flower shows ``<family>:<command>`` with row id and actor."""
-    return {
-        "queue": queue,
-        "routing_key": queue,
-        "shadow": f"{family.name}:{row.command}",
-        "argsrepr": f"(row={row.id}, actor={row.actor!r}, attempt={row.attempts})",
-        "kwargsrepr": "{}",
-        **_time_limits(family, 1),
-    }
-
-
-def _time_limits(family: Family, rows: int) -> dict[str, float]:
-    """Celery's per-message limits; prefork workers enforce them (the heartbeat thread ends
-    the lease in any pool)."""
-    hard = family.hard_time_limit()
-    if family.time_limit is None or hard is None:
-        return {}
-    return {"soft_time_limit": family.time_limit * rows, "time_limit": hard * rows}
-
-
-def batch_options(family: Family, rows: Sequence[Claimed], queue: str) -> dict[str, Any]:
-    """Celery publish options of a batched message: Flower shows the family and the row ids."""
-    commands = sorted({r.command for r in rows})
-    shown = commands[0] if len(commands) == 1 else "mixed"
-    return {
-        "queue": queue,
-        "routing_key": queue,
-        "shadow": f"{family.name}:{shown}[{len(rows)}]",
-        "argsrepr": f"(rows={[r.id for r in rows]})",
-        "kwargsrepr": "{}",
-        **_time_limits(family, len(rows)),
-    }

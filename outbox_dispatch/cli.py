@@ -20,30 +20,10 @@ from .appload import load_dispatcher
 from .errors import OutboxError
 from .logs import mask_dsn
 from .migrations import migrate
+from .tables import table
 
 DB_ENV = "OUTBOX_DATABASE_URL"
 SCHEMA_ENV = "OUTBOX_SCHEMA"
-
-
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A plain aligned text table; values are shown with str()."""
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.1f}"
-    if isinstance(value, datetime):
-        return value.isoformat(timespec="seconds")
-    text = str(value).replace("\n", " ")
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _json_default(value: Any) -> Any:
@@ -213,9 +193,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.run import main as bench_main
+    """The benchmark suite is not part of the installed library: it lives in the repository's
+    bench/ folder. Run from a checkout, this runs it there (without the peers and the plot,
+    which scripts/bench installs into a venv of its own)."""
+    import subprocess
+    from pathlib import Path
 
-    return bench_main([*args.bench_args, *(["--json"] if args.json else [])])
+    if not Path("bench", "run.py").is_file():
+        raise OutboxError(
+            "the benchmark suite lives in the repository's bench/ folder, not in the installed "
+            "package: run this from a checkout, or run scripts/bench there"
+        )
+    extra = ["--json"] if args.json else []
+    return subprocess.call([sys.executable, "-m", "bench.run", *args.bench_args, *extra])
 
 
 def build_parser() -> argparse.ArgumentParser:

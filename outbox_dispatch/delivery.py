@@ -9,32 +9,35 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 from uuid import UUID
 
 from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable
+from .deferred_settles import DeferredSettles
 from .errors import PermanentFailure
 from .handlers import Context, HandlerFn, Registration, Registry
-from .heartbeat import TICK, Heartbeats, Running, SlotState, StopReason
+from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
-from .policy import CapRule, Family, Verdict, decide_failure
-from .settler import Settler
-from .store import Conn, Started, Store
+from .policy import CapRule, Family, cap_rule
+from .pool import Conn
+from .rows import Started
+from .settle import (
+    Outcome,
+    Settle,
+    SettleKind,
+    StopReason,
+    after_failure,
+    after_return,
+    delivered,
+    outcome,
+    stop_error,
+)
+from .store import Store
 
 log = logging.getLogger(__name__)
 
 MAX_ERROR_LENGTH = 4000
-
-
-class Outcome(StrEnum):
-    DELIVERED = "delivered"
-    RETRIED = "retried"
-    PARKED = "parked"
-    CANCELLED = "cancelled"
-    STALE = "stale"
-    LOST = "lost"  # settled by nobody: the token no longer held when the handler ended
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,10 @@ class Delivery:
         families: Mapping[str, Family],
         *,
         caps: Caps | None = None,
-        cap_rule: Callable[[Family, str], CapRule | None] = lambda family, command: (
-            None if family.per_actor is None else CapRule("", family.per_actor)
+        cap_rule: Callable[[Family, str, str | None], CapRule | None] = (
+            lambda family, command, actor: cap_rule(family, command, None, actor)
         ),
-        wake: Callable[[str], None] = lambda family: None,
+        on_slot_freed: Callable[[str], None] = lambda family: None,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.store = store
@@ -112,16 +115,16 @@ class Delivery:
         self.families = families
         self.caps = caps
         self.cap_rule = cap_rule
-        self.wake = wake
+        self.on_slot_freed = on_slot_freed
         self.rand = rand
         self.heartbeats = Heartbeats(store)
-        self.settler = Settler(store, self._settle_refused)
+        self.deferred = DeferredSettles(store, self._settle_refused)
 
     def deliver_message(
         self, args: tuple[Any, ...], *, family_hint: str | None = None, defer: bool = False
     ) -> list[Result]:
         """Deliver what a broker message names: one (id, token) pair or a batch of them.
-        ``defer``: a worker hands eligible successes to the settler (see settler.py)."""
+        ``defer``: a worker hands eligible successes to the deferred settles."""
         pair = parse_message(args)
         pairs = parse_batch(args) if pair is None else None
         if pair is not None:
@@ -195,18 +198,16 @@ class Delivery:
             return self._run_in_transaction(s, family, reg.fn, running)
         try:
             reg.fn(running.ctx, s.payload)
-        except PermanentFailure as exc:
-            return self._park(s, family, describe_error(exc))
         except Exception as exc:
-            return self._failed(s, family, exc, running.stop_reason())
-        return self._stopped(s, family, running)
+            return self._finish(s, family, self._after_exception(s, family, exc, running))
+        settle = after_return(family, s.attempts, self.rand(), running.stop_reason())
+        return None if settle == delivered(family) else self._finish(s, family, settle)
 
     def _settle_successes(self, done: list[Started]) -> list[Result]:
         results: list[Result] = []
-        by_kind: dict[str, list[Started]] = {}
+        by_kind: dict[SettleKind, list[Started]] = {}
         for s in done:
-            kind = "done" if self.families[s.family].retention > 0 else "delete"
-            by_kind.setdefault(kind, []).append(s)
+            by_kind.setdefault(delivered(self.families[s.family]).kind, []).append(s)
         for kind, rows in by_kind.items():
             settled = self.store.settle_many(kind, [(s.id, s.token) for s in rows])
             for s in rows:
@@ -214,26 +215,25 @@ class Delivery:
                     event(log, logging.INFO, "delivered", "handler ok (batch)", **_fields(s))
                     results.append(Result(Outcome.DELIVERED, s.id))
                 else:  # a cancel request arrived, or the claim was lost
-                    results.append(self._succeeded(s, self.families[s.family], 0.0))
+                    family = self.families[s.family]
+                    results.append(self._finish(s, family, delivered(family)))
         return results
 
     def _start_checked(self, started: Started, family: Family | None) -> Result:
         """The checks before a handler runs, for rows that fail them."""
         if family is None:
-            return self._park(
-                started,
-                None,
+            error = (
                 f"family {started.family!r} is not declared in this worker: "
-                "declare it with dispatcher.family() and retry the parked row",
+                "declare it with dispatcher.family() and retry the parked row"
             )
+            return self._finish(started, None, Settle(SettleKind.PARK, error=error))
         if started.cancel_requested:  # cancelled while on its way here: never runs
-            return self._cancelled(started, family)
-        return self._park(
-            started,
-            family,
+            return self._finish(started, family, Settle(SettleKind.CANCEL))
+        error = (
             f"no handler for command {started.command!r} in this worker: "
-            "register it with @dispatcher.handler and run `outbox-dispatch parked retry`",
+            "register it with @dispatcher.handler and run `outbox-dispatch parked retry`"
         )
+        return self._finish(started, family, Settle(SettleKind.PARK, error=error))
 
     def _context(self, started: Started, family: Family) -> tuple[Context, Running]:
         key = (started.id, started.token)
@@ -297,17 +297,17 @@ class Delivery:
         t0 = time.perf_counter()
         try:
             fn(running.ctx, started.payload)
-        except PermanentFailure as exc:
-            return self._park(started, family, describe_error(exc))
         except Exception as exc:
-            return self._failed(started, family, exc, running.stop_reason())
+            return self._finish(
+                started, family, self._after_exception(started, family, exc, running)
+            )
         elapsed = time.perf_counter() - t0
-        stopped = self._stopped(started, family, running)
-        if stopped is not None:
-            return stopped
+        settle = after_return(family, started.attempts, self.rand(), running.stop_reason())
+        if settle != delivered(family):
+            return self._finish(started, family, settle, elapsed)
         if defer and not family.ordered and not self._capped(started, family):
             # nothing waits on this settle (no cap slot, no ordered line): off the hot path
-            self.settler.add("done" if family.retention > 0 else "delete", started)
+            self.deferred.add(settle.kind, started)
             event(
                 log,
                 logging.INFO,
@@ -316,12 +316,13 @@ class Delivery:
                 **_fields(started),
             )
             return Result(Outcome.DELIVERED, started.id)
-        return self._succeeded(started, family, elapsed)
+        return self._finish(started, family, settle, elapsed)
 
-    def _settle_refused(self, kind: str, started: Started) -> None:
+    def _settle_refused(self, kind: SettleKind, started: Started) -> None:
         """A deferred settle the batch statement skipped: a cancel request arrived, or the
         claim was lost; the one-row path records which."""
-        self._succeeded(started, self.families.get(started.family) or Family(started.family), 0)
+        family = self.families.get(started.family) or Family(started.family)
+        self._finish(started, family, Settle(kind))
 
     def _run_in_transaction(
         self, started: Started, family: Family, fn: HandlerFn, running: Running
@@ -332,8 +333,10 @@ class Delivery:
         ctx = running.ctx
         try:
             with self.store.handler_transaction(started.id, started.token) as held:
-                if held is None:
-                    return self._lost(started)
+                if held is None:  # the claim no longer holds
+                    lost = Result(Outcome.LOST, started.id)
+                    _report(started, lost, delivered(family), 0.0)
+                    return lost
                 conn, cancel = held
                 if cancel:
                     raise _Cancelled()
@@ -344,20 +347,22 @@ class Delivery:
                     raise _Cancelled()
                 if reason is not None:
                     raise _Stopped(reason)  # roll the handler's writes back, then retry
-                kind = "done" if family.retention > 0 else "delete"
                 settled = self._settle(
-                    kind, started, family, conn=conn, release=False, or_cancel=False
+                    delivered(family), started, family, conn=conn, release=False, or_cancel=False
                 )
                 if not settled:
                     raise _Cancelled()  # a cancel request arrived: undo the handler's writes
         except _Cancelled:
-            return self._cancelled(started, family)
-        except _Stopped as stop:
-            return self._failed(started, family, None, stop.reason, maybe_applied=False)
-        except PermanentFailure as exc:
-            return self._park(started, family, describe_error(exc))
+            return self._finish(started, family, Settle(SettleKind.CANCEL))
+        except _Stopped as stop:  # rolled back: nothing was applied
+            error = stop_error(family, None, stop.reason)
+            return self._finish(
+                started, family, after_failure(family, started.attempts, self.rand(), error)
+            )
         except Exception as exc:
-            return self._failed(started, family, exc, running.stop_reason())
+            return self._finish(
+                started, family, self._after_exception(started, family, exc, running)
+            )
         finally:
             ctx.conn = None
         self._release(started, family)
@@ -370,40 +375,27 @@ class Delivery:
         )
         return Result(Outcome.DELIVERED, started.id)
 
-    def _stopped(self, started: Started, family: Family, running: Running) -> Result | None:
-        """A handler that returned after it was told to stop did not finish on its own terms
-        (invariant 12): retried, or parked when attempts ran out, never settled as delivered.
-        Its effects are unknown, so the next attempt sees maybe_applied. After a cancel
-        request the return settles as usual: the settle records the cancel."""
-        reason = running.stop_reason()
-        if reason is None or reason is StopReason.CANCEL_REQUESTED:
-            return None
-        return self._failed(started, family, None, reason, maybe_applied=True)
+    def _after_exception(
+        self, started: Started, family: Family, exc: Exception, running: Running
+    ) -> Settle:
+        """A handler that raised: parked at once for PermanentFailure, else a failed attempt
+        (the error says when it had been told to stop, or ran past its time limit)."""
+        if isinstance(exc, PermanentFailure):
+            return Settle(SettleKind.PARK, error=describe_error(exc))
+        stop = running.stop_reason()
+        if type(exc).__name__ == "SoftTimeLimitExceeded":  # billiard's, raised by prefork
+            stop = StopReason.TIME_LIMIT
+        error = stop_error(family, describe_error(exc), stop)
+        return after_failure(family, started.attempts, self.rand(), error)
 
-    def _succeeded(self, started: Started, family: Family, elapsed: float) -> Result:
-        kind = "done" if family.retention > 0 else "delete"
-        applied = self._settle(kind, started, family)
-        if applied == "cancel":
-            return self._was_cancelled(started)
-        if applied:
-            event(
-                log,
-                logging.INFO,
-                "delivered",
-                f"handler ok in {elapsed * 1000:.1f} ms",
-                **_fields(started),
-            )
-            return Result(Outcome.DELIVERED, started.id)
-        return self._lost(started)
-
-    def _cancelled(self, started: Started, family: Family) -> Result:
-        if self._settle("cancel", started, family):
-            return self._was_cancelled(started)
-        return self._lost(started)
-
-    def _was_cancelled(self, started: Started) -> Result:
-        event(log, logging.INFO, "cancelled", "row settled as cancelled", **_fields(started))
-        return Result(Outcome.CANCELLED, started.id)
+    def _finish(
+        self, started: Started, family: Family | None, settle: Settle, elapsed: float = 0.0
+    ) -> Result:
+        """Apply the settle decided for an attempt, and say what it came to."""
+        applied = self._settle(settle, started, family)
+        result = Result(outcome(applied), started.id, settle.error or "")
+        _report(started, result, settle, elapsed)
+        return result
 
     # -- leases and slots -------------------------------------------------------------------
 
@@ -417,9 +409,9 @@ class Delivery:
     def _rule(self, started: Started, family: Family) -> CapRule | None:
         """The cap this row's slot counts against, when it took one: an actor, and a cap for
         its command (a family may cap some commands and not others)."""
-        if self.caps is None or started.actor is None:
+        if self.caps is None:
             return None
-        return self.cap_rule(family, started.command)
+        return self.cap_rule(family, started.command, started.actor)
 
     def _capped(self, started: Started, family: Family) -> bool:
         return self._rule(started, family) is not None
@@ -508,47 +500,38 @@ class Delivery:
 
     def _settle(
         self,
-        kind: str,
+        settle: Settle,
         started: Started,
         family: Family | None,
         *,
-        delay: float = 0.0,
-        error: str | None = None,
         conn: Conn | None = None,
         release: bool = True,
         or_cancel: bool = True,
-        maybe_applied: bool = False,
-    ) -> str | None:
+    ) -> SettleKind | None:
         """Settle fenced by the token (a pending cancel request wins); then free the cap slot
         so the claimer lets one waiting row of the actor in."""
+        options: dict[str, Any] = {
+            "delay": settle.delay,
+            "error": settle.error,
+            "conn": conn,
+            "or_cancel": or_cancel,
+            "maybe_applied": settle.maybe_applied,
+        }
         if family is not None and family.ordered and started.actor is not None:
-            ok = self.store.settle_in_line(
-                kind,
+            applied = self.store.settle_in_line(
+                settle.kind,
                 started.id,
                 started.token,
                 family=family.name,
                 actor=started.actor,
                 parked_blocks=family.parked_blocks,
-                delay=delay,
-                error=error,
-                conn=conn,
-                or_cancel=or_cancel,
-                maybe_applied=maybe_applied,
+                **options,
             )
         else:
-            ok = self.store.settle(
-                kind,
-                started.id,
-                started.token,
-                delay=delay,
-                error=error,
-                conn=conn,
-                or_cancel=or_cancel,
-                maybe_applied=maybe_applied,
-            )
+            applied = self.store.settle(settle.kind, started.id, started.token, **options)
         if release:
             self._release(started, family)
-        return ok
+        return applied
 
     def _release(self, started: Started, family: Family | None) -> None:
         # only after the settle committed: the slot covers the row until it is settled
@@ -557,69 +540,7 @@ class Delivery:
             assert self.caps is not None
             assert started.actor is not None
             if self.caps.release(started.family, started.actor, started.token, rule.scope):
-                self.wake(started.family)
-
-    def _failed(
-        self,
-        started: Started,
-        family: Family,
-        exc: Exception | None,
-        reason: StopReason | None = None,
-        *,
-        maybe_applied: bool = False,
-    ) -> Result:
-        """A failed attempt (``exc``), or one that returned after being told to stop
-        (``reason``): retried after backoff, or parked when attempts ran out."""
-        error = _error_text(family, exc, reason)
-        decision = decide_failure(family, started.attempts, self.rand())
-        if decision.verdict is Verdict.PARK:
-            return self._park(started, family, error)
-        applied = self._settle(
-            "retry",
-            started,
-            family,
-            delay=decision.delay,
-            error=error,
-            maybe_applied=maybe_applied,
-        )
-        if applied == "cancel":
-            return self._was_cancelled(started)
-        if applied:
-            event(
-                log,
-                logging.WARNING,
-                "retried",
-                f"handler failed, due again in {decision.delay:.1f} s: {error}",
-                **_fields(started),
-            )
-            return Result(Outcome.RETRIED, started.id, error)
-        return self._lost(started)
-
-    def _park(self, started: Started, family: Family | None, error: str) -> Result:
-        applied = self._settle("park", started, family, error=error)
-        if applied == "cancel":
-            return self._was_cancelled(started)
-        if applied:
-            event(
-                log,
-                logging.ERROR,
-                "parked",
-                f"row parked: {error} (inspect with `outbox-dispatch parked list`)",
-                **_fields(started),
-            )
-            return Result(Outcome.PARKED, started.id, error)
-        return self._lost(started)
-
-    def _lost(self, started: Started) -> Result:
-        event(
-            log,
-            logging.WARNING,
-            "settle_refused",
-            "the claim no longer holds (lease ran out and the row was claimed again); "
-            "the result of this attempt is discarded",
-            **_fields(started),
-        )
-        return Result(Outcome.LOST, started.id)
+                self.on_slot_freed(started.family)  # a claim lets a waiting row in
 
 
 def _deadlines(family: Family) -> tuple[float | None, float | None]:
@@ -633,22 +554,27 @@ def _deadlines(family: Family) -> tuple[float | None, float | None]:
     return now + family.time_limit, now + hard
 
 
-def _error_text(family: Family, exc: Exception | None, reason: StopReason | None) -> str:
-    timed_out = reason is StopReason.TIME_LIMIT or (
-        exc is not None and type(exc).__name__ == "SoftTimeLimitExceeded"  # billiard's (prefork)
-    )
-    if timed_out:
-        return (
-            f"handler ran past the family's time_limit of {family.time_limit:g} s and was "
-            "told to stop; make it faster, or raise time_limit"
-        )
-    if exc is None:
-        assert reason is not None
-        return f"attempt stopped before it finished: {reason.value}"
-    text = describe_error(exc)
-    if reason is not None and reason is not StopReason.CANCEL_REQUESTED:
-        return f"{text} (after being told to stop: {reason.value})"
-    return text
+def _report(started: Started, result: Result, settle: Settle, elapsed: float) -> None:
+    """The log line of a settled attempt."""
+    fields = _fields(started)
+    match result.outcome:
+        case Outcome.DELIVERED:
+            message = f"handler ok in {elapsed * 1000:.1f} ms"
+            event(log, logging.INFO, "delivered", message, **fields)
+        case Outcome.RETRIED:
+            message = f"handler failed, due again in {settle.delay:.1f} s: {settle.error}"
+            event(log, logging.WARNING, "retried", message, **fields)
+        case Outcome.PARKED:
+            message = f"row parked: {settle.error} (inspect with `outbox-dispatch parked list`)"
+            event(log, logging.ERROR, "parked", message, **fields)
+        case Outcome.CANCELLED:
+            event(log, logging.INFO, "cancelled", "row settled as cancelled", **fields)
+        case _:
+            message = (
+                "the claim no longer holds (lease ran out and the row was claimed again); "
+                "the result of this attempt is discarded"
+            )
+            event(log, logging.WARNING, "settle_refused", message, **fields)
 
 
 def _fields(s: Started) -> dict[str, Any]:

@@ -4,37 +4,46 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
 from . import metrics, tracing, wiring
+from .adapters import caller_connection, check_database_url
 from .caps import Caps
 from .claimer import Claimer, ClaimReport
 from .cron import CatchUp, Schedule
-from .delivery import Delivery, Outcome, Result
+from .delivery import Delivery, Result
+from .drain import DrainReport, drain
 from .errors import (
     ConfigurationError,
-    DrainLoop,
-    DrainTimeout,
     InvalidArgument,
-    MaintenanceFailed,
-    OutboxError,
     UnknownFamily,
 )
 from .handlers import HandlerFn, Registration, Registry
-from .logs import event, mask_dsn
+from .listener import CommitListener
+from .logs import event
+from .maintenance import Maintenance
 from .migrations import migrate
 from .naming import family_name, identifier
-from .policy import Backoff, CapRule, Family, LostAttempt, builtin_families, cap_rule
+from .policy import (
+    Backoff,
+    CapRule,
+    Family,
+    LostAttempt,
+    builtin_families,
+    cap_rule,
+    family_is_capped,
+)
+from .pool import Conn
 from .publisher import Publisher
-from .store import Claimed, Conn, FamilyStatus, Store
+from .queues import QueueProbe
+from .rows import Claimed, FamilyStatus
+from .store import Store
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
-from .wake import WakeListener, install_bootstep
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -45,8 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-QUEUE_SIZE_TTL = 0.04  # seconds a family's broker queue size is reused by the claimer
-
 
 @dataclass(frozen=True)
 class CancelResult:
@@ -54,21 +61,6 @@ class CancelResult:
 
     cancelled: list[int]
     requested: list[int]
-
-
-@dataclass
-class DrainReport:
-    """What a drain did, by outcome."""
-
-    outcomes: dict[str, int] = field(default_factory=dict)
-    rounds: int = 0
-
-    def count(self, outcome: Outcome) -> int:
-        return self.outcomes.get(outcome.value, 0)
-
-    @property
-    def delivered(self) -> int:
-        return self.count(Outcome.DELIVERED)
 
 
 class Dispatcher:
@@ -95,7 +87,7 @@ class Dispatcher:
     ) -> None:
         if not database_url:
             raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
-        _check_database_url(database_url)
+        check_database_url(database_url)
         if claim_interval <= 0:
             raise ConfigurationError("claim_interval must be > 0 seconds")
         if claim_batch < 1:
@@ -117,6 +109,7 @@ class Dispatcher:
             database_url, self.schema, pool_size=pool_size, handler_pool_size=handler_pool_size
         )
         self.caps = Caps(redis_url, key_prefix) if redis_url else None
+        self.queues = QueueProbe(app, self.queue_name)
         self.claimer = Claimer(
             self.store,
             self.families,
@@ -124,7 +117,7 @@ class Dispatcher:
             caps=self.caps,
             cap_rule=self.cap_rule,
             is_capped=self.is_capped,
-            queued=self._queued,
+            queued=lambda family: self.queues.queued(family),
         )
         self.delivery = Delivery(
             self.store,
@@ -132,7 +125,7 @@ class Dispatcher:
             self.families,
             caps=self.caps,
             cap_rule=self.cap_rule,
-            wake=self.wake,
+            on_slot_freed=self.request_claim,
         )
 
         app.outbox_dispatcher = self  # lets `--app proj:celery_app` find us, as celery -A does
@@ -141,9 +134,9 @@ class Dispatcher:
             app, self._deliver_from_queue, self.claim_and_publish
         )
         self.publisher = Publisher(app, self._deliver_task)
-        self._queue_sizes: dict[str, tuple[int, float]] = {}
         wiring.add_beat_entry(app, claim_interval, self.claim_queue)
         self.prune_batch = prune_batch
+        self.maintenance = Maintenance(self.store, self.families)
         wiring.register_periodic(app, wiring.PRUNE_TASK, self.prune)
         wiring.add_periodic_entry(
             app, "outbox-dispatch prune", wiring.PRUNE_TASK, prune_interval, self.claim_queue
@@ -153,13 +146,13 @@ class Dispatcher:
         wiring.on_configured(app, self._apply_queues)
         self.listen = listen
         if listen:
-            install_bootstep(app, self.wake_listener)
+            wiring.install_listener_step(app, self.commit_listener)
         metrics.install_worker_server(app, self)
-        wiring.on_worker_exit(self.delivery.settler.flush)
+        wiring.on_worker_exit(self.delivery.deferred.flush)
 
-    def wake_listener(self) -> WakeListener:
-        """The NOTIFY listener a worker runs (see wake.py); also usable on its own."""
-        return WakeListener(
+    def commit_listener(self) -> CommitListener:
+        """The commit listener a worker runs (listener.py); also usable on its own."""
+        return CommitListener(
             self.database_url, self.schema, self.store.channel, self.claim_and_publish
         )
 
@@ -284,55 +277,27 @@ class Dispatcher:
             )
 
     def is_capped(self, family: Family) -> bool:
-        if family.ordered:
-            return False
-        return family.per_actor is not None or self.registry.capped_commands(family.name)
+        return family_is_capped(family, self.registry.capped_commands(family.name))
 
-    def cap_rule(self, family: Family, command: str) -> CapRule | None:
-        """The cap a row of ``command`` counts against, or None when it is not capped."""
-        return cap_rule(family, command, self.registry.cap_override(command))
+    def cap_rule(self, family: Family, command: str, actor: str | None) -> CapRule | None:
+        """The cap a row counts against, or None when it is not capped."""
+        return cap_rule(family, command, self.registry.cap_override(command), actor)
 
-    def wake(self, family: str) -> None:
-        """Ask for a claim pass of ``family`` now (a slot freed; the release script coalesces
-        wakes to one per window)."""
+    def request_claim(self, family: str) -> None:
+        """Ask for a claim pass of ``family`` now, through the claim queue (a slot freed; the
+        release script sends at most one request per 100 ms window)."""
         try:
             self._claim_task.apply_async(
                 ([family],), queue=self.claim_queue, expires=self.claim_interval
             )
-        except Exception as exc:  # the beat entry claims anyway; a wake is only a speed-up
-            event(log, logging.WARNING, "wake_failed", f"could not send a claim wake: {exc!r}")
+        except Exception as exc:  # the beat entry claims anyway; a request only speeds it up
+            message = f"could not send a claim request: {exc!r}"
+            event(log, logging.WARNING, "claim_request_failed", message)
 
     def queue_lengths(self) -> dict[str, int]:
         """Messages waiting in each family's broker queue (Flower does not show this); a family
         whose queue the broker cannot report is left out."""
-        sizes = {name: self._read_queue_size(fam) for name, fam in self.families.items()}
-        return {name: n for name, n in sizes.items() if n is not None}
-
-    def _queued(self, family: Family) -> int:
-        """Messages waiting in the family's queue, for the claimer's broker room. Read at most
-        every QUEUE_SIZE_TTL seconds: a burst of claims costs one broker round trip."""
-        cached = self._queue_sizes.get(family.name)
-        if cached is not None and time.monotonic() - cached[1] < QUEUE_SIZE_TTL:
-            return cached[0]
-        size = self._read_queue_size(family) or 0  # unknown: Postgres alone limits the claim
-        self._queue_sizes[family.name] = (size, time.monotonic())  # failures are cached too
-        return size
-
-    def _read_queue_size(self, family: Family) -> int | None:
-        """None when the broker cannot say (down, or the queue never declared on AMQP); one
-        quick connection attempt, so an outage does not stall claims and scrapes."""
-        queue = self.queue_name(family.name)
-        try:
-            with self.app.pool.acquire(block=True, timeout=2) as conn:
-                conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=1)
-                channel = conn.default_channel
-                if hasattr(channel, "_size"):  # Redis: every priority list, one round trip
-                    return int(channel._size(queue))
-                with conn.channel() as probe:  # AMQP closes a channel on a missing queue
-                    return int(probe.queue_declare(queue, passive=True).message_count)
-        except Exception as exc:
-            event(log, logging.DEBUG, "queue_size_failed", repr(exc), family=family.name)
-            return None
+        return self.queues.lengths(self.families.values())
 
     def declare(self, command: str, *, family: str = "intent") -> None:
         """Let a producer enqueue ``command`` without running it (its handler lives elsewhere)."""
@@ -387,9 +352,9 @@ class Dispatcher:
         fam = self.families[row.family]
         if fam.ordered and row.actor is not None:
             return self.store.insert_ordered(
-                _check_conn(conn), row, parked_blocks=fam.parked_blocks
+                caller_connection(conn), row, parked_blocks=fam.parked_blocks
             )
-        return self.store.insert(_check_conn(conn), row)
+        return self.store.insert(caller_connection(conn), row)
 
     def enqueue_many(self, conn: TxConn, messages: Iterable[Message]) -> list[int]:
         """Write a batch in one round trip; ids come back in input order. All or nothing is
@@ -399,7 +364,7 @@ class Dispatcher:
             if not isinstance(m, Message):
                 raise InvalidArgument(f"enqueue_many takes Message objects, got {type(m).__name__}")
             rows.append(self._prepare(m.command, m.payload, m.actor, m.dedupe_key, m.delay, m.at))
-        return self.store.insert_many(_check_conn(conn), rows, self._ordered_families())
+        return self.store.insert_many(caller_connection(conn), rows, self._ordered_families())
 
     # -- claim, publish, deliver ----------------------------------------------------------
 
@@ -431,43 +396,7 @@ class Dispatcher:
         Raises DrainLoop when deliveries keep making new due work for ``max_rounds`` rounds that
         each took every due row, and DrainTimeout when ``timeout`` seconds pass first.
         """
-        report = DrainReport()
-        deadline = time.monotonic() + timeout
-        idle_rounds = 0
-        while True:
-            took_all = True
-            batch: list[tuple[Family, Claimed]] = []
-            for fam in list(self.families.values()):
-                result = self.claimer.claim_family(fam)
-                batch.extend((fam, c) for c in result.claimed)
-                _bump(report.outcomes, Outcome.PARKED.value, len(result.parked))
-                if result.limit == 0 or len(result.claimed) + len(result.parked) >= result.limit:
-                    took_all = False
-            if not batch and took_all:
-                return report
-            report.rounds += 1
-            if took_all:
-                idle_rounds += 1
-                if idle_rounds > max_rounds:
-                    raise DrainLoop(
-                        f"drain: deliveries kept staging due rows for {max_rounds} rounds "
-                        f"({report.outcomes}): a handler probably enqueues itself without end"
-                    )
-            for fam, group in _groups(batch):
-                if fam.batch > 1:
-                    pairs = [(c.id, c.token) for c in group]
-                    results = self.delivery.deliver_batch(pairs, family_hint=fam.name)
-                else:
-                    results = [
-                        self.delivery.deliver(c.id, c.token, family_hint=fam.name) for c in group
-                    ]
-                for res in results:
-                    _bump(report.outcomes, res.outcome.value, 1)
-            if time.monotonic() > deadline:
-                raise DrainTimeout(
-                    f"drain: {timeout} s passed with rows still due ({report.outcomes}): "
-                    "raise the timeout or look for slow handlers"
-                )
+        return drain(self.claimer, self.delivery, self.families, timeout, max_rounds)
 
     # -- operations -----------------------------------------------------------------------
 
@@ -546,7 +475,7 @@ class Dispatcher:
                 raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
         ordered = self._ordered_families()
         now, requested = self.store.cancel(
-            _check_conn(conn),
+            caller_connection(conn),
             ids=None if row_id is None else [row_id],
             dedupe_key=dedupe_key,
             actor=actor,
@@ -566,78 +495,11 @@ class Dispatcher:
     ) -> dict[str, int]:
         """Delete delivered and cancelled rows past their family's retention, in batches of
         ``batch`` rows (short transactions, never one long lock); ``progress(family, deleted so
-        far)`` is called after each batch that deleted something."""
-        size = batch or self.prune_batch
-        deleted: dict[str, int] = {}
-        failed: list[str] = []
-        for fam in list(self.families.values()):
-            try:  # one family's failure must not stop the others' maintenance
-                total = self._maintain(fam, size, max_batches, progress)
-            except OutboxError as exc:
-                failed.append(fam.name)
-                event(
-                    log,
-                    logging.ERROR,
-                    "maintenance_failed",
-                    f"{exc}; the other families are maintained, this one is tried next pass",
-                    family=fam.name,
-                )
-                continue
-            if total:
-                deleted[fam.name] = total
-        try:
-            self.store.prune_cancel_requests()
-        except OutboxError as exc:
-            failed.append("cancel requests")
-            event(log, logging.ERROR, "maintenance_failed", f"cancel request cleanup: {exc}")
-        if failed:
-            raise MaintenanceFailed(
-                f"maintenance failed for {', '.join(failed)} (the others were done): see the "
-                "log's maintenance_failed events"
-            )
-        return deleted
-
-    def _maintain(
-        self,
-        fam: Family,
-        size: int,
-        max_batches: int,
-        progress: Callable[[str, int], None] | None,
-    ) -> int:
-        """One family's pass: prune past retention, repair ordered lines a crash left without
-        a head, and let blocked rows of a family that is no longer ordered go."""
-        total = 0
-        for _ in range(max_batches if math.isfinite(fam.retention) else 0):
-            n = self.store.prune(fam.name, fam.retention, size)
-            total += n
-            if n and progress is not None:
-                progress(fam.name, total)
-            if n < size:
-                break
-        if total:
-            event(log, logging.INFO, "pruned", f"{total} settled rows", family=fam.name)
-        if fam.ordered:
-            promoted = self.store.sweep_heads(fam.name, fam.parked_blocks)
-            if promoted:
-                event(
-                    log,
-                    logging.WARNING,
-                    "heads_repaired",
-                    f"{len(promoted)} ordered actors had no head",
-                    family=fam.name,
-                )
-        else:
-            released = self.store.unblock(fam.name, size)
-            if released:
-                event(
-                    log,
-                    logging.WARNING,
-                    "unblocked",
-                    f"{released} rows were blocked behind an ordered head, but the family is "
-                    "not ordered any more: they are due",
-                    family=fam.name,
-                )
-        return total
+        far)`` is called after each batch that deleted something. Also repairs ordered lines a
+        crash left without a head; one family's failure does not stop the others'."""
+        return self.maintenance.prune(
+            batch=batch or self.prune_batch, max_batches=max_batches, progress=progress
+        )
 
     def cron(
         self,
@@ -677,28 +539,7 @@ class Dispatcher:
 
     def run_cron(self, now: datetime | None = None) -> dict[str, int]:
         """Write the rows of every schedule's due ticks; safe to run from several processes."""
-        written: dict[str, int] = {}
-        for schedule in list(self.schedules.values()):
-            with self.store.connection() as conn, conn.transaction():
-                ticks = self.store.cron_ticks(conn, schedule, now)
-                for tick in ticks:
-                    self.enqueue(
-                        conn,
-                        schedule.command,
-                        schedule.payload_for(tick),
-                        dedupe_key=schedule.dedupe_key(tick),
-                        at=tick,
-                    )
-            if ticks:
-                written[schedule.name] = len(ticks)
-                event(
-                    log,
-                    logging.INFO,
-                    "cron",
-                    f"{len(ticks)} ticks written for {schedule.name}",
-                    command=schedule.command,
-                )
-        return written
+        return self.maintenance.run_cron(self.schedules.values(), self.enqueue, now)
 
     def close(self) -> None:
         self.store.close()
@@ -715,93 +556,3 @@ def _retention_seconds(retention: object) -> float:
             f"retention must be seconds or a timedelta, got {type(retention).__name__}"
         )
     return float(retention)
-
-
-def _check_database_url(url: str) -> None:
-    """A URL libpq cannot parse is refused here, masked, rather than first reported by the
-    pool's background thread, whose warning would quote it, password included."""
-    import psycopg
-
-    try:
-        psycopg.conninfo.conninfo_to_dict(url)
-    except psycopg.Error as exc:
-        raise ConfigurationError(
-            f"database_url {mask_dsn(url)!r} is not a valid PostgreSQL URL or DSN: "
-            f"{mask_dsn(str(exc))}"
-        ) from exc
-
-
-def _check_conn(conn: object) -> Conn:
-    """The psycopg connection of the caller's transaction: given directly, or inside a
-    SQLAlchemy Session or Connection (on the psycopg 3 driver, ``postgresql+psycopg://``)."""
-    import psycopg
-
-    if isinstance(conn, psycopg.Connection):
-        return conn
-    module = type(conn).__module__
-    if module.startswith("sqlalchemy"):
-        return _from_sqlalchemy(conn)
-    if module.startswith("django.") or (
-        hasattr(conn, "vendor") and hasattr(conn, "ensure_connection")  # a custom backend
-    ):
-        return _from_django(conn)
-    raise InvalidArgument(
-        f"enqueue needs the connection of your transaction (a psycopg 3 Connection, a "
-        f"SQLAlchemy Session or Connection, or Django's connection), got {type(conn).__name__}: "
-        "the row must commit with your business change"
-    )
-
-
-def _from_django(conn: Any) -> Conn:
-    """Django's ``connection`` (or ``connections[alias]``) on the psycopg 3 backend."""
-    import psycopg
-
-    if getattr(conn, "vendor", None) != "postgresql":
-        raise InvalidArgument(
-            f"Django database {getattr(conn, 'alias', '?')!r} is {getattr(conn, 'vendor', '?')}: "
-            "the outbox lives in PostgreSQL"
-        )
-    conn.ensure_connection()
-    raw = conn.connection
-    if not isinstance(raw, psycopg.Connection):
-        raise InvalidArgument(
-            f"Django uses {type(raw).__module__} for database {conn.alias!r}: outbox_dispatch "
-            "needs psycopg 3 (pip install 'psycopg[binary]'; Django >= 4.2 picks it up)"
-        )
-    return raw
-
-
-def _from_sqlalchemy(conn: Any) -> Conn:
-    import psycopg
-    from sqlalchemy.engine import Connection
-    from sqlalchemy.orm import Session
-
-    if isinstance(conn, Session):
-        conn = conn.connection()  # begins the session's transaction if it has none
-    if isinstance(conn, Connection):
-        raw = conn.connection.driver_connection
-        if isinstance(raw, psycopg.Connection):
-            return raw
-        raise InvalidArgument(
-            f"SQLAlchemy uses the {conn.dialect.driver!r} driver: outbox_dispatch needs psycopg 3 "
-            "(a postgresql+psycopg:// URL)"
-        )
-    raise InvalidArgument(
-        f"enqueue cannot use a {type(conn).__name__}: pass a Session or Connection"
-    )
-
-
-def _groups(claimed: list[tuple[Family, Claimed]]) -> list[tuple[Family, list[Claimed]]]:
-    """Claimed rows by family, in chunks of the family's batch size."""
-    by_family: dict[str, tuple[Family, list[Claimed]]] = {}
-    for fam, c in claimed:
-        by_family.setdefault(fam.name, (fam, []))[1].append(c)
-    out = []
-    for fam, rows in by_family.values():
-        out += [(fam, rows[i : i + fam.batch]) for i in range(0, len(rows), fam.batch)]
-    return out
-
-
-def _bump(counts: dict[str, int], key: str, n: int) -> None:
-    if n:
-        counts[key] = counts.get(key, 0) + n

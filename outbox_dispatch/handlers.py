@@ -34,7 +34,9 @@ class Context:
 
     @property
     def is_cancelled(self) -> bool:
-        """True when the row was cancelled or its claim was lost: stop and return soon."""
+        """True when the handler should stop and return soon: the row was cancelled, its
+        family's time_limit passed, its cap slot lapsed, or its claim was lost. Only after a
+        cancel does a return settle the row (as cancelled); after the others it is retried."""
         return self.cancelled.is_set()
 
     def heartbeat(self, progress: Any = None) -> bool:

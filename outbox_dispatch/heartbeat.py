@@ -15,13 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum, StrEnum
+from enum import Enum
 from typing import Any
 from uuid import UUID
 
 from .errors import OutboxError
 from .handlers import Context
 from .logs import event
+from .settle import StopReason
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -29,20 +30,6 @@ log = logging.getLogger(__name__)
 TICK = 0.25  # how often the thread looks for leases to renew
 
 Key = tuple[int, UUID]
-
-
-class StopReason(StrEnum):
-    """Why a handler was told to stop (``ctx.is_cancelled``), and so what its return means.
-
-    Only CANCEL_REQUESTED lets a handler's normal return settle the row (as cancelled); after
-    any other reason the attempt did not finish on its own terms: it is retried (or parked
-    when attempts ran out), never settled as delivered.
-    """
-
-    CANCEL_REQUESTED = "the row was cancelled"
-    TIME_LIMIT = "the handler ran past its family's time_limit"
-    SLOT_LAPSED = "the row's cap slot lapsed (another row of the actor may hold it now)"
-    CLAIM_LOST = "the claim was lost (the lease ran out and the row is due again)"
 
 
 class SlotState(Enum):

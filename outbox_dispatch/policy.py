@@ -223,16 +223,24 @@ class CapRule:
     limit: int
 
 
-def cap_rule(family: Family, command: str, command_cap: int | None) -> CapRule | None:
-    """The one rule for whether a row is capped: ordered families run one row per actor and
-    take no slots; a command's own ``per_actor`` wins over its family's."""
-    if family.ordered:
+def cap_rule(
+    family: Family, command: str, command_cap: int | None, actor: str | None
+) -> CapRule | None:
+    """The one rule for whether a row is capped: rows without an actor are not, ordered
+    families run one row per actor and take no slots, and a command's own ``per_actor`` wins
+    over its family's."""
+    if actor is None or family.ordered:
         return None
     if command_cap is not None:
         return CapRule(command, command_cap)
     if family.per_actor is not None:
         return CapRule("", family.per_actor)
     return None
+
+
+def family_is_capped(family: Family, has_command_caps: bool) -> bool:
+    """Whether a family's claims go through the cap semaphores at all."""
+    return not family.ordered and (family.per_actor is not None or has_command_caps)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,8 @@ from typing import Any
 
 from celery import Celery, signals
 
-from .claimer import batch_options, message_options
 from .policy import Family
-from .store import Claimed
+from .rows import Claimed
 
 _DISPLAY = ("shadow", "argsrepr", "kwargsrepr")
 
@@ -120,3 +119,38 @@ def _batched(producer: Any) -> Iterator[None]:
         return
     with batch(max_size=1000):
         yield
+
+
+def message_options(family: Family, row: Claimed, queue: str) -> dict[str, Any]:
+    """Celery publish options: Flower shows ``<family>:<command>`` with row id and actor."""
+    return {
+        "queue": queue,
+        "routing_key": queue,
+        "shadow": f"{family.name}:{row.command}",
+        "argsrepr": f"(row={row.id}, actor={row.actor!r}, attempt={row.attempts})",
+        "kwargsrepr": "{}",
+        **_time_limits(family, 1),
+    }
+
+
+def _time_limits(family: Family, rows: int) -> dict[str, float]:
+    """Celery's per-message limits; prefork workers enforce them (the heartbeat thread ends
+    the lease in any pool)."""
+    hard = family.hard_time_limit()
+    if family.time_limit is None or hard is None:
+        return {}
+    return {"soft_time_limit": family.time_limit * rows, "time_limit": hard * rows}
+
+
+def batch_options(family: Family, rows: Sequence[Claimed], queue: str) -> dict[str, Any]:
+    """Celery publish options of a batched message: Flower shows the family and the row ids."""
+    commands = sorted({r.command for r in rows})
+    shown = commands[0] if len(commands) == 1 else "mixed"
+    return {
+        "queue": queue,
+        "routing_key": queue,
+        "shadow": f"{family.name}:{shown}[{len(rows)}]",
+        "argsrepr": f"(rows={[r.id for r in rows]})",
+        "kwargsrepr": "{}",
+        **_time_limits(family, len(rows)),
+    }

@@ -21,8 +21,9 @@ import pytest
 
 from .appload import load_dispatcher
 from .claimer import ClaimReport
-from .dispatcher import Dispatcher, DrainReport
-from .wake import WakeListener
+from .dispatcher import Dispatcher
+from .drain import DrainReport
+from .listener import CommitListener
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -54,7 +55,7 @@ class Inline:
         self.reports: list[DrainReport] = []
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
-        self.listener = WakeListener(
+        self.listener = CommitListener(
             dispatcher.database_url,
             dispatcher.schema,
             dispatcher.store.channel,

@@ -21,21 +21,30 @@ class Migration:
     text: str
 
 
-def _read(*parts: str) -> str:
-    return resources.files("outbox_dispatch").joinpath("sql", *parts).read_text("utf-8")
-
-
 @cache
 def raw_queries() -> dict[str, str]:
-    """The blocks of queries.sql keyed by their ``-- name:`` line."""
-    text = _read("queries.sql")
-    matches = list(_NAME.finditer(text))
+    """Every named query of sql/*.sql (one file per concern: enqueue, claim, deliver, settle,
+    cancel, caps, ordered, maintenance, status), keyed by its ``-- name:`` line."""
+    folder = resources.files("outbox_dispatch").joinpath("sql")
     queries: dict[str, str] = {}
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        for name, body in _named_blocks(entry.read_text("utf-8")):
+            if name in queries:
+                raise RuntimeError(f"query {name!r} is named twice in sql/ (again in {entry.name})")
+            queries[name] = body
+    return queries
+
+
+def _named_blocks(text: str) -> list[tuple[str, str]]:
+    """The ``-- name:`` blocks of one file; what comes before the first is the file's header."""
+    matches = list(_NAME.finditer(text))
+    blocks = []
     for here, nxt in zip(matches, [*matches[1:], None], strict=True):
         end = nxt.start() if nxt else len(text)
-        body = text[here.end() : end].strip()
-        queries[here.group(1)] = body.rstrip(";").strip()
-    return queries
+        blocks.append((here.group(1), text[here.end() : end].strip().rstrip(";").strip()))
+    return blocks
 
 
 _CLOCK = re.compile(r"\b(now|clock_timestamp)\(\)")

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -19,99 +17,18 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool
 
 from .cron import Schedule, due_ticks
 from .errors import DatabaseError, IsolationNotSupported, SchemaNotReady
-from .logs import MaskDsnFilter, mask_dsn
+from .logs import mask_dsn
 from .policy import Candidate, Family, LostAttempt, claim_limit
+from .pool import Conn, Pools
+from .rows import CappedDecision, Claimed, ClaimResult, FamilyStatus, Holder, Started
+from .settle import BATCH_QUERY, QUERY, SettleKind, leaves_line
 from .sqlfiles import queries_for
 from .validation import PreparedRow
 
 log = logging.getLogger(__name__)
-
-Conn = psycopg.Connection[Any]
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """A row leased by a claim, as the claimer publishes it."""
-
-    id: int
-    token: UUID
-    command: str
-    actor: str | None
-    attempts: int
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    family: str
-    claimed: list[Claimed]
-    parked: list[int]
-    limit: int
-    waiting: int = 0
-    parked_actors: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Holder:
-    """A row whose live lease must hold a cap slot (what a caps rebuild restores)."""
-
-    family: str
-    actor: str
-    command: str
-    token: UUID
-    remaining_ms: int
-
-
-# What a capped claim's decision returns: rows to lease with their tokens, rows to set waiting.
-CappedDecision = tuple[list[tuple[int, UUID]], list[int]]
-
-
-@dataclass(frozen=True)
-class Started:
-    """A row whose delivery began: its token held, its lease was renewed, its payload loaded."""
-
-    id: int
-    token: UUID
-    family: str
-    command: str
-    actor: str | None
-    payload: Any
-    attempts: int
-    maybe_applied: bool
-    dedupe_key: str | None
-    cancel_requested: bool = False
-    waited: float | None = None  # seconds from due (for a row due at enqueue: commit) to start
-    trace_context: dict[str, str] | None = None  # the enqueuing span's W3C context
-
-
-@dataclass(frozen=True)
-class FamilyStatus:
-    family: str
-    due: int
-    scheduled: int
-    in_flight: int
-    parked: int
-    cancelled: int
-    done: int
-    oldest_due_age: float
-    maybe_applied: int = 0  # unsettled rows whose earlier attempt ended without an outcome
-    waiting: int = 0  # capped rows whose actor is at its cap
-    blocked: int = 0  # ordered rows behind their actor's head
-    actors_at_cap: int = 0
-
-
-_POOL_FILTER = MaskDsnFilter()
-
-
-def _mask_pool_logs() -> None:
-    """psycopg_pool logs connection failures with the driver's message, which can quote the
-    URL (and its password) it could not parse."""
-    pool_log = logging.getLogger("psycopg.pool")
-    if _POOL_FILTER not in pool_log.filters:
-        pool_log.addFilter(_POOL_FILTER)
 
 
 @contextmanager
@@ -129,8 +46,7 @@ def translated(action: str) -> Iterator[None]:
 
 
 class Store:
-    """Named queries for one schema. The pool is opened lazily and rebuilt after a fork,
-    because Celery's prefork children must not share their parent's sockets."""
+    """Named queries for one schema, over fork-safe pools (pool.py)."""
 
     def __init__(
         self, database_url: str, schema: str, *, pool_size: int = 4, handler_pool_size: int = 32
@@ -140,12 +56,9 @@ class Store:
         self._clock_offset = 0.0
         self.q = queries_for(schema)
         self.channel = wake_channel(schema)
-        self._pool_size = pool_size
-        self._handler_pool_size = handler_pool_size
-        self._pool: ConnectionPool | None = None
-        self._handler_pool: ConnectionPool | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
+        self.pools = Pools(
+            database_url, schema, pool_size=pool_size, handler_pool_size=handler_pool_size
+        )
 
     @property
     def clock_offset(self) -> float:
@@ -160,58 +73,23 @@ class Store:
 
     # -- connections -------------------------------------------------------------------------
 
-    def _get_pool(self, for_handlers: bool = False) -> ConnectionPool:
-        pid = os.getpid()
-        if self._pid != pid:
-            with self._lock:
-                if self._pid != pid:  # a forked child: the parent's pools are not ours
-                    self._pool = self._handler_pool = None
-                    self._pid = pid
-        if for_handlers:
-            if self._handler_pool is None:
-                with self._lock:
-                    if self._handler_pool is None:
-                        self._handler_pool = self._new_pool(0, self._handler_pool_size, "handlers")
-            return self._handler_pool
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = self._new_pool(1, self._pool_size, "outbox")
-        return self._pool
-
-    def _new_pool(self, min_size: int, max_size: int, role: str) -> ConnectionPool:
-        _mask_pool_logs()
-        return ConnectionPool(
-            self.database_url,
-            min_size=min_size,
-            max_size=max_size,
-            kwargs={"autocommit": True},
-            open=True,
-            name=f"{role}-{self.schema}",
-        )
-
     @contextmanager
     def connection(self) -> Iterator[Conn]:
-        with self._get_pool().connection() as conn:
+        with self.pools.main().connection() as conn:
             yield conn
 
     def close(self) -> None:
-        with self._lock:
-            if self._pid == os.getpid():
-                for pool in (self._pool, self._handler_pool):
-                    if pool is not None:
-                        pool.close()
-            self._pool = self._handler_pool = None
+        self.pools.close()
 
     # -- enqueue (on the caller's connection) -----------------------------------------------
 
     def insert(self, conn: Conn, row: PreparedRow) -> int:
         params = _insert_params(row, self.channel)
         with translated("enqueue"):
-            found = conn.execute(self.q["insert"], params).fetchone()
+            found = conn.execute(self.q["enqueue_insert"], params).fetchone()
             if found is not None:
                 return int(found[0])
-            again = conn.execute(self.q["find_dedupe"], params).fetchone()
+            again = conn.execute(self.q["enqueue_find_dedupe"], params).fetchone()
         if again is None:  # the holder of the key was deleted between the two statements
             raise DatabaseError("enqueue raced with the deletion of its dedupe key's row: retry")
         return int(again[0])
@@ -224,9 +102,9 @@ class Store:
             self._lock_actors_of_caller(
                 conn, [_actor_lock(self.schema, row.family, row.actor or "")], "enqueue"
             )
-            found = conn.execute(self.q["insert_ordered"], params).fetchone()
+            found = conn.execute(self.q["enqueue_insert_ordered"], params).fetchone()
             if found is None:
-                found = conn.execute(self.q["find_dedupe"], params).fetchone()
+                found = conn.execute(self.q["enqueue_find_dedupe"], params).fetchone()
         if found is None:
             raise DatabaseError("enqueue raced with the deletion of its dedupe key's row: retry")
         return int(found[0])
@@ -252,7 +130,10 @@ class Store:
                 {_actor_lock(self.schema, rows[i].family, rows[i].actor or "") for i in in_line}
             )
             self._lock_actors_of_caller(conn, locks, "enqueue_many")
-            for query, group in ((self.q["insert"], plain), (self.q["insert_ordered"], in_line)):
+            for query, group in (
+                (self.q["enqueue_insert"], plain),
+                (self.q["enqueue_insert_ordered"], in_line),
+            ):
                 if not group:
                     continue
                 cur.executemany(query, [params[i] for i in group], returning=True)
@@ -262,7 +143,7 @@ class Store:
                     cur.nextset()
             for i, value in enumerate(ids):
                 if value is None:
-                    found = conn.execute(self.q["find_dedupe"], params[i]).fetchone()
+                    found = conn.execute(self.q["enqueue_find_dedupe"], params[i]).fetchone()
                     if found is None:
                         raise DatabaseError(
                             "enqueue_many raced with a dedupe row's deletion: retry"
@@ -275,7 +156,7 @@ class Store:
         (its statements then see every commit made before the lock was granted). Any other
         level is refused before anything is written, and the transaction stays usable."""
         for name in locks:
-            row = conn.execute(self.q["lock_actor_checked"], {"lock_name": name}).fetchone()
+            row = conn.execute(self.q["ordered_lock_actor_checked"], {"lock_name": name}).fetchone()
             isolation = str(row[0]) if row else "unknown"
             if isolation != "read committed":
                 raise IsolationNotSupported(
@@ -298,7 +179,7 @@ class Store:
             if limit == 0:
                 return ClaimResult(family.name, [], [], 0)
             picked = conn.execute(
-                self.q["pick_due"], {"family": family.name, "limit": limit}
+                self.q["claim_pick_due"], {"family": family.name, "limit": limit}
             ).fetchall()
             rows = self._lease_rows(conn, family, [int(r[0]) for r in picked], [])
         return _claim_result(family.name, rows, limit)
@@ -309,7 +190,7 @@ class Store:
         if not ids:
             return []
         params = {**_lease_params(family), "ids": ids, "tokens": tokens}
-        return conn.execute(self.q["lease_rows"], params).fetchall()
+        return conn.execute(self.q["claim_lease"], params).fetchall()
 
     def claim_capped(
         self,
@@ -327,24 +208,24 @@ class Store:
             self.connection() as conn,
             conn.transaction(),
         ):
-            conn.execute(self.q["lock_caps_shared"], {"lock_name": f"{self.schema}.caps"})
+            conn.execute(self.q["caps_lock_shared"], {"lock_name": f"{self.schema}.caps"})
             if freed:
                 conn.execute(
-                    self.q["promote_freed"],
+                    self.q["claim_promote_freed"],
                     {"family": family.name, "actors": list(freed), "counts": list(freed.values())},
                 )
             limit = self._claim_limit(conn, family, batch)
             if limit == 0:
                 return ClaimResult(family.name, [], [], 0)
             found = conn.execute(
-                self.q["capped_candidates"],
+                self.q["claim_capped_candidates"],
                 {"family": family.name, "probe": max(4 * limit, 100)},
             ).fetchall()
             candidates = [Candidate(int(r[0]), r[1], r[2], int(r[3])) for r in found]
             take, wait = decide(candidates, limit)
             rows = self._lease_rows(conn, family, [i for i, _ in take], [t for _, t in take])
             if wait:
-                conn.execute(self.q["mark_waiting"], {"ids": wait, "lease": family.lease})
+                conn.execute(self.q["claim_mark_waiting"], {"ids": wait, "lease": family.lease})
         result = _claim_result(family.name, rows, limit)
         return replace(result, waiting=len(wait))
 
@@ -354,9 +235,9 @@ class Store:
         # one round trip: the server runs the two in order, so the count is taken under the lock
         with conn.pipeline():
             lock = f"{self.schema}.claim.{family.name}"
-            conn.execute(self.q["lock_family"], {"lock_name": lock})
+            conn.execute(self.q["claim_lock_family"], {"lock_name": lock})
             cur = conn.execute(
-                self.q["in_flight"],
+                self.q["claim_in_flight"],
                 {"family": family.name, "max_in_flight": family.max_in_flight},
             )
         row = cur.fetchone()
@@ -374,13 +255,13 @@ class Store:
         and its slot release found nothing to remove before the restore."""
         with translated("caps rebuild"), self.connection() as conn:
             with conn.transaction():
-                conn.execute(self.q["lock_caps_exclusive"], {"lock_name": f"{self.schema}.caps"})
-                rows = conn.execute(self.q["live_leases"], {"families": families}).fetchall()
+                conn.execute(self.q["caps_lock_exclusive"], {"lock_name": f"{self.schema}.caps"})
+                rows = conn.execute(self.q["caps_live_leases"], {"families": families}).fetchall()
                 holders = [Holder(r[0], r[1], r[2], r[3], int(r[4])) for r in rows]
                 restore(holders)
             if holders:
                 held = conn.execute(
-                    self.q["leases_held"], {"tokens": [h.token for h in holders]}
+                    self.q["caps_leases_held"], {"tokens": [h.token for h in holders]}
                 ).fetchall()
                 still = {r[0] for r in held}
                 gone = [h for h in holders if h.token not in still]
@@ -391,7 +272,7 @@ class Store:
     def handback(self, row_id: int, token: UUID) -> bool:
         with translated("hand back"), self.connection() as conn:
             return (
-                conn.execute(self.q["handback"], {"id": row_id, "token": token}).fetchone()
+                conn.execute(self.q["deliver_handback"], {"id": row_id, "token": token}).fetchone()
                 is not None
             )
 
@@ -402,10 +283,11 @@ class Store:
         with translated("promote ordered"), self.connection() as conn, conn.transaction():
             for actor in sorted(set(actors)):
                 conn.execute(
-                    self.q["lock_actor"], {"lock_name": _actor_lock(self.schema, family, actor)}
+                    self.q["ordered_lock_actor"],
+                    {"lock_name": _actor_lock(self.schema, family, actor)},
                 )
             rows = conn.execute(
-                self.q["promote_blocked"],
+                self.q["ordered_promote"],
                 {"family": family, "actors": sorted(set(actors)), "parked_blocks": parked_blocks},
             ).fetchall()
         return [int(r[0]) for r in rows]
@@ -416,7 +298,7 @@ class Store:
         """Start an attempt; from now its lease is ``run_lease`` (the heartbeat timeout)."""
         with translated("delivery start"), self.connection() as conn:
             row = conn.execute(
-                self.q["begin"], {"id": row_id, "token": token, "run_lease": run_lease}
+                self.q["deliver_begin"], {"id": row_id, "token": token, "run_lease": run_lease}
             ).fetchone()
         if row is None:
             return None
@@ -444,7 +326,7 @@ class Store:
             "run_lease": run_lease,
         }
         with translated("delivery start"), self.connection() as conn:
-            rows = conn.execute(self.q["begin_many"], params).fetchall()
+            rows = conn.execute(self.q["deliver_begin_many"], params).fetchall()
         started = [
             Started(
                 int(r[0]),
@@ -465,18 +347,20 @@ class Store:
         order = {row_id: i for i, (row_id, _) in enumerate(pairs)}
         return sorted(started, key=lambda s: order[s.id])
 
-    def settle_many(self, kind: str, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
+    def settle_many(self, kind: SettleKind, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
         """Settle a batch's successes (``delete`` or ``done``); returns the ids settled."""
         if not pairs:
             return set()
         params = {"ids": [i for i, _ in pairs], "tokens": [t for _, t in pairs]}
         with translated(f"settle ({kind})"), self.connection() as conn:
-            rows = conn.execute(self.q[f"settle_{kind}_many"], params).fetchall()
+            rows = conn.execute(self.q[BATCH_QUERY[kind]], params).fetchall()
         return {int(r[0]) for r in rows}
 
     def why_stale(self, row_id: int, token: UUID) -> str:
         with translated("stale check"), self.connection() as conn:
-            row = conn.execute(self.q["explain_stale"], {"id": row_id, "token": token}).fetchone()
+            row = conn.execute(
+                self.q["deliver_explain_stale"], {"id": row_id, "token": token}
+            ).fetchone()
         if row is None:
             return "row is gone (settled, purged or never existed)"
         same_token, started, lapsed = row
@@ -500,17 +384,17 @@ class Store:
             "run_lease": run_lease,
         }
         with translated("lease renewal"), self.connection() as conn:
-            rows = conn.execute(self.q["renew"], params).fetchall()
+            rows = conn.execute(self.q["deliver_renew"], params).fetchall()
         return {int(r[0]): bool(r[1]) for r in rows}
 
     def cancel_requested(self, ids: Sequence[int]) -> set[int]:
         with translated("cancel check"), self.connection() as conn:
-            rows = conn.execute(self.q["cancel_requests"], {"ids": list(ids)}).fetchall()
+            rows = conn.execute(self.q["deliver_cancel_requests"], {"ids": list(ids)}).fetchall()
         return {int(r[0]) for r in rows}
 
     def settle(
         self,
-        kind: str,
+        kind: SettleKind,
         row_id: int,
         token: UUID,
         *,
@@ -519,7 +403,7 @@ class Store:
         conn: Conn | None = None,
         or_cancel: bool = True,
         maybe_applied: bool = False,
-    ) -> str | None:
+    ) -> SettleKind | None:
         """Settle fenced by the token; returns the settle applied (``kind``, or "cancel" when a
         cancel request was pending), or None when another claim owns the row now (or, with
         ``or_cancel=False``, a cancel request is pending). ``maybe_applied`` (retry): the next
@@ -532,20 +416,20 @@ class Store:
                 return self._settle_on(own, kind, params, or_cancel)
 
     def _settle_on(
-        self, conn: Conn, kind: str, params: dict[str, Any], or_cancel: bool
-    ) -> str | None:
+        self, conn: Conn, kind: SettleKind, params: dict[str, Any], or_cancel: bool
+    ) -> SettleKind | None:
         """The settle, or, when someone asked to cancel the row meanwhile, the cancel."""
-        if conn.execute(self.q[f"settle_{kind}"], params).fetchone() is not None:
+        if conn.execute(self.q[QUERY[kind]], params).fetchone() is not None:
             return kind
-        if kind == "cancel" or not or_cancel:
+        if kind is SettleKind.CANCEL or not or_cancel:
             return None
-        if conn.execute(self.q["settle_cancel"], params).fetchone() is not None:
-            return "cancel"
+        if conn.execute(self.q[QUERY[SettleKind.CANCEL]], params).fetchone() is not None:
+            return SettleKind.CANCEL
         return None
 
     def settle_in_line(
         self,
-        kind: str,
+        kind: SettleKind,
         row_id: int,
         token: UUID,
         *,
@@ -557,7 +441,7 @@ class Store:
         conn: Conn | None = None,
         or_cancel: bool = True,
         maybe_applied: bool = False,
-    ) -> str | None:
+    ) -> SettleKind | None:
         """Settle the head of an ordered actor and, when it leaves the line, promote the next
         row, under the actor's lock (a producer enqueueing now waits, then sees the change)."""
         params = _settle_params(row_id, token, delay, error, maybe_applied)
@@ -571,22 +455,19 @@ class Store:
     def _settle_in_line_on(
         self,
         conn: Conn,
-        kind: str,
+        kind: SettleKind,
         params: dict[str, Any],
         family: str,
         actor: str,
         parked_blocks: bool,
         or_cancel: bool,
-    ) -> str | None:
+    ) -> SettleKind | None:
         lock = _actor_lock(self.schema, family, actor)
-        conn.execute(self.q["lock_actor"], {"lock_name": lock})
+        conn.execute(self.q["ordered_lock_actor"], {"lock_name": lock})
         applied = self._settle_on(conn, kind, params, or_cancel)
-        leaves = applied in ("delete", "done", "cancel") or (
-            applied == "park" and not parked_blocks
-        )
-        if leaves:
+        if leaves_line(applied, parked_blocks):
             conn.execute(
-                self.q["promote_blocked"],
+                self.q["ordered_promote"],
                 {"family": family, "actors": [actor], "parked_blocks": parked_blocks},
             )
         return applied
@@ -596,8 +477,12 @@ class Store:
     ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str, int]]]:
         """Waiting and blocked counts per family, and in-flight counts per (family, actor)."""
         with translated("status"), self.connection() as conn:
-            counts = conn.execute(self.q["cap_status"], {"families": families}).fetchall()
-            actors = conn.execute(self.q["actors_in_flight"], {"families": families}).fetchall()
+            counts = conn.execute(
+                self.q["status_waiting_blocked"], {"families": families}
+            ).fetchall()
+            actors = conn.execute(
+                self.q["status_actors_in_flight"], {"families": families}
+            ).fetchall()
         return (
             {r[0]: (int(r[1]), int(r[2])) for r in counts},
             [(r[0], r[1], int(r[2])) for r in actors],
@@ -611,10 +496,12 @@ class Store:
         the block ends, rolls back when it raises."""
         with (
             translated("transactional delivery"),
-            self._get_pool(for_handlers=True).connection() as conn,
+            self.pools.handlers().connection() as conn,
             conn.transaction(),
         ):
-            row = conn.execute(self.q["check_claim"], {"id": row_id, "token": token}).fetchone()
+            row = conn.execute(
+                self.q["deliver_check_claim"], {"id": row_id, "token": token}
+            ).fetchone()
             yield (conn, bool(row[1])) if row is not None else None
 
     def cancel(
@@ -646,7 +533,7 @@ class Store:
             ).fetchall()
             for fam, act in in_line:
                 conn.execute(
-                    self.q["promote_blocked"],
+                    self.q["ordered_promote"],
                     {"family": fam, "actors": [act], "parked_blocks": ordered[fam]},
                 )
         now = sorted(int(r[0]) for r in done)
@@ -657,7 +544,7 @@ class Store:
         ``now`` defaults to the database's clock."""
         with translated("cron"):
             if now is None:
-                row = conn.execute(self.q["clock_now"]).fetchone()
+                row = conn.execute(self.q["cron_now"]).fetchone()
                 assert row is not None
                 now = row[0]
             conn.execute(self.q["cron_lock"], {"name": schedule.name, "initial": now})
@@ -672,7 +559,8 @@ class Store:
     def prune(self, family: str, retention: float, batch: int) -> int:
         with translated("prune"), self.connection() as conn:
             rows = conn.execute(
-                self.q["prune"], {"family": family, "retention": retention, "batch": batch}
+                self.q["maintenance_prune"],
+                {"family": family, "retention": retention, "batch": batch},
             ).fetchall()
         return len(rows)
 
@@ -680,7 +568,7 @@ class Store:
 
     def status(self) -> list[FamilyStatus]:
         with translated("status"), self.connection() as conn:
-            rows = conn.execute(self.q["status"]).fetchall()
+            rows = conn.execute(self.q["status_families"]).fetchall()
         return [
             FamilyStatus(
                 family=r[0],
@@ -714,7 +602,7 @@ class Store:
     ) -> list[int]:
         """Parked rows due again, attempts reset; in ordered families the retried rows get back
         in line and an actor without a head gets its lowest row, all in one transaction."""
-        return self._parked_change("parked_retry", ids, family, ordered or {})
+        return self._parked_change(True, ids, family, ordered or {})
 
     def parked_purge(
         self,
@@ -724,30 +612,32 @@ class Store:
         ordered: Mapping[str, bool] | None = None,
     ) -> list[int]:
         """Delete parked rows; an ordered actor whose parked head is gone gets its next row."""
-        return self._parked_change("parked_purge", ids, family, ordered or {})
+        return self._parked_change(False, ids, family, ordered or {})
 
     def _parked_change(
-        self, query: str, ids: list[int] | None, family: str | None, ordered: Mapping[str, bool]
+        self, retry: bool, ids: list[int] | None, family: str | None, ordered: Mapping[str, bool]
     ) -> list[int]:
         sel = {"ids": ids, "family": family, "limit": 1_000_000}
-        with translated(query.replace("_", " ")), self.connection() as conn, conn.transaction():
+        query = self.q["parked_retry"] if retry else self.q["parked_purge"]
+        action = "parked retry" if retry else "parked purge"
+        with translated(action), self.connection() as conn, conn.transaction():
             found = conn.execute(self.q["parked_list"], sel).fetchall()
             lines = sorted({(r[1], r[3]) for r in found if r[1] in ordered and r[3] is not None})
             for fam, actor in lines:
                 lock = _actor_lock(self.schema, fam, actor)
-                conn.execute(self.q["lock_actor"], {"lock_name": lock})
+                conn.execute(self.q["ordered_lock_actor"], {"lock_name": lock})
             chosen = [int(r[0]) for r in found]
-            rows = conn.execute(self.q[query], {"ids": chosen, "family": None}).fetchall()
+            rows = conn.execute(query, {"ids": chosen, "family": None}).fetchall()
             done = sorted(int(r[0]) for r in rows)
             in_line = [int(r[0]) for r in rows if r[1] in ordered and r[2] is not None]
-            if query == "parked_retry" and in_line:
-                conn.execute(self.q["block_rows"], {"ids": in_line})
+            if retry and in_line:
+                conn.execute(self.q["ordered_block_rows"], {"ids": in_line})
             by_family: dict[str, list[str]] = {}
             for fam, actor in lines:
                 by_family.setdefault(fam, []).append(actor)
             for fam, actors in by_family.items():
                 conn.execute(
-                    self.q["promote_blocked"],
+                    self.q["ordered_promote"],
                     {"family": fam, "actors": actors, "parked_blocks": ordered[fam]},
                 )
         return done
@@ -756,7 +646,8 @@ class Store:
         """Give every headless actor of an ordered family its next row (crash repair)."""
         with translated("ordered sweep"), self.connection() as conn:
             rows = conn.execute(
-                self.q["headless_actors"], {"family": family, "parked_blocks": parked_blocks}
+                self.q["ordered_headless_actors"],
+                {"family": family, "parked_blocks": parked_blocks},
             ).fetchall()
         actors = [r[0] for r in rows]
         return self.promote_blocked(family, actors, parked_blocks) if actors else []
@@ -764,12 +655,14 @@ class Store:
     def unblock(self, family: str, batch: int) -> int:
         """Blocked rows of a family that is not ordered (any more) become due."""
         with translated("unblock"), self.connection() as conn:
-            rows = conn.execute(self.q["unblock"], {"family": family, "batch": batch}).fetchall()
+            rows = conn.execute(
+                self.q["ordered_unblock"], {"family": family, "batch": batch}
+            ).fetchall()
         return len(rows)
 
     def prune_cancel_requests(self) -> int:
         with translated("prune"), self.connection() as conn:
-            return len(conn.execute(self.q["prune_cancel_requests"]).fetchall())
+            return len(conn.execute(self.q["maintenance_prune_cancel_requests"]).fetchall())
 
 
 def wake_channel(schema: str) -> str:

@@ -17,7 +17,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 if TYPE_CHECKING:
-    from .store import Started
+    from .rows import Started
 
 _tracer = trace.get_tracer("outbox_dispatch")
 

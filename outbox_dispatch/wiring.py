@@ -8,10 +8,13 @@ configuration before the user has loaded theirs; what must be merged with user s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from kombu.entity import Queue
+
+if TYPE_CHECKING:
+    from .listener import CommitListener
 
 DELIVER_TASK = "outbox.deliver"
 CLAIM_TASK = "outbox.claim"
@@ -141,3 +144,23 @@ def on_worker_exit(fn: Callable[[], None]) -> None:
 
     signals.worker_process_shutdown.connect(handler, weak=False)
     signals.worker_shutdown.connect(handler, weak=False)
+
+
+def install_listener_step(app: Any, make: Callable[[], CommitListener]) -> None:
+    """Run the commit listener in each worker's main process (not in its pool children)."""
+    from celery import bootsteps
+
+    class OutboxCommitListener(bootsteps.StartStopStep):  # type: ignore[misc]
+        def __init__(self, parent: Any, **kwargs: Any) -> None:
+            super().__init__(parent, **kwargs)
+            self.listener: CommitListener | None = None
+
+        def start(self, parent: Any) -> None:
+            self.listener = make()
+            self.listener.start()
+
+        def stop(self, parent: Any) -> None:
+            if self.listener is not None:
+                self.listener.stop()
+
+    app.steps["worker"].add(OutboxCommitListener)

@@ -20,9 +20,9 @@ from typing import Any
 import psycopg
 import redis
 
-from outbox_dispatch.cli import table
 from outbox_dispatch.dispatcher import Dispatcher
 from outbox_dispatch.logs import mask_dsn
+from outbox_dispatch.tables import table
 from outbox_dispatch.validation import Message
 
 APP = "outbox_dispatch.demo.app"

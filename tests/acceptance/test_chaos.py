@@ -6,7 +6,7 @@ delivered by an attempt whose handler gave up on ``ctx.is_cancelled``, no cap or
 and every row must settle within 2 * max(lease, heartbeat_timeout) of the last fault (the
 state of each one that did not is in the failure message).
 
-It runs ``python -m outbox_dispatch.chaos.run`` as a process, on its own private Postgres and
+It runs ``python -m tests.chaos.run`` as a process, on its own private Postgres and
 Redis (the shared services are not touched); ``scripts/chaos`` is the long version.
 """
 
@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from outbox_dispatch.chaos.report import unsettled_lines
-from outbox_dispatch.chaos.services import ServiceError, preflight
 from tests.acceptance.conftest import ROOT
+from tests.chaos.report import unsettled_lines
+from tests.chaos.services import ServiceError, preflight
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -40,7 +40,7 @@ def _chaos(logdir: Path) -> tuple[dict[str, Any], float]:
             [
                 sys.executable,
                 "-m",
-                "outbox_dispatch.chaos.run",
+                "tests.chaos.run",
                 *ARGS,
                 "--json",
                 "--logdir",

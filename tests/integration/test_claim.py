@@ -12,7 +12,9 @@ import pytest
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.claimer import Claimer, ClaimReport
 from outbox_dispatch.migrations import migrate
-from outbox_dispatch.store import Claimed, Store
+from outbox_dispatch.rows import Claimed
+from outbox_dispatch.settle import SettleKind
+from outbox_dispatch.store import Store
 from tests.conftest import count_rows
 
 
@@ -86,7 +88,7 @@ def test_claim_never_exceeds_max_in_flight(
     assert (len(first.claimed), len(second.claimed), len(third.claimed)) == (100, 20, 0)
     # settling frees capacity again
     for c in first.claimed[:30]:
-        assert dispatcher.store.settle("delete", c.id, c.token)
+        assert dispatcher.store.settle(SettleKind.DELETE, c.id, c.token)
     assert len(dispatcher.claimer.claim_family(family, batch=100).claimed) == 30
 
 
@@ -107,7 +109,7 @@ def test_a_pass_held_back_by_max_in_flight_claims_once_and_says_so(
     report = run()
     assert (report.claimed, report.rounds, report.saturated) == ({"quick": 40}, 1, {"quick"})
     for c in published[:3]:
-        assert dispatcher.store.settle("delete", c.id, c.token)
+        assert dispatcher.store.settle(SettleKind.DELETE, c.id, c.token)
     report = run()
     assert (report.claimed, report.rounds, report.saturated) == ({"quick": 3}, 1, {"quick"})
     # every slot taken and nothing settled: no claim, and no polling either (beat comes back)
@@ -138,11 +140,11 @@ def test_the_in_flight_count_does_not_use_a_bitmap_scan(
         )
         conn.execute(f"DELETE FROM \"{dispatcher.schema}\".outbox WHERE command = 'x'")
     with store.connection() as conn, conn.transaction():
-        conn.execute(store.q["lock_family"], {"lock_name": "test.plan"})
+        conn.execute(store.q["claim_lock_family"], {"lock_name": "test.plan"})
         plan = "\n".join(
             str(r[0])
             for r in conn.execute(
-                "EXPLAIN " + store.q["in_flight"], {"family": "intent", "max_in_flight": 1000}
+                "EXPLAIN " + store.q["claim_in_flight"], {"family": "intent", "max_in_flight": 1000}
             ).fetchall()
         )
     assert "Bitmap" not in plan, plan
@@ -184,12 +186,15 @@ LEASE = {"lease": 30.0, "max_attempts": None, "park_lost": False, "max_lost": 5}
 
 def _claim_plans(store: Store, conn: psycopg.Connection[Any], limit: int) -> tuple[str, str]:
     """EXPLAIN ANALYZE of both claim statements, in the caller's transaction (roll it back)."""
-    picked = conn.execute(store.q["pick_due"], {"family": "intent", "limit": limit}).fetchall()
+    picked = conn.execute(
+        store.q["claim_pick_due"], {"family": "intent", "limit": limit}
+    ).fetchall()
     pick = conn.execute(
-        "EXPLAIN (ANALYZE, BUFFERS) " + store.q["pick_due"], {"family": "intent", "limit": limit}
+        "EXPLAIN (ANALYZE, BUFFERS) " + store.q["claim_pick_due"],
+        {"family": "intent", "limit": limit},
     ).fetchall()
     lease = conn.execute(
-        "EXPLAIN (ANALYZE, BUFFERS) " + store.q["lease_rows"],
+        "EXPLAIN (ANALYZE, BUFFERS) " + store.q["claim_lease"],
         {**LEASE, "ids": [int(r[0]) for r in picked], "tokens": []},
     ).fetchall()
     return "\n".join(str(r[0]) for r in pick), "\n".join(str(r[0]) for r in lease)
@@ -200,15 +205,15 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
     try:
         with store.connection() as conn, conn.transaction():
             # as in a claim: the family lock's statement also sets the claim's plan settings
-            conn.execute(store.q["lock_family"], {"lock_name": "test.plans"})
+            conn.execute(store.q["claim_lock_family"], {"lock_name": "test.plans"})
             rows = conn.execute(
-                "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["capped_candidates"],
+                "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["claim_capped_candidates"],
                 {"family": "intent", "probe": 2000},
             ).fetchall()
             capped_plan = "\n".join(str(r[0]) for r in rows)
             pick_plan, lease_plan = _claim_plans(store, conn, 500)
             rows = conn.execute(
-                "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["in_flight"],
+                "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["claim_in_flight"],
                 {"family": "intent", "max_in_flight": 1000},
             ).fetchall()
             in_flight_plan = "\n".join(str(r[0]) for r in rows)

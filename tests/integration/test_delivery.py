@@ -12,6 +12,7 @@ import pytest
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Outcome, PermanentFailure
 from outbox_dispatch.cli import main as cli_main
+from outbox_dispatch.settle import SettleKind
 from tests.conftest import count_rows
 
 from .conftest import Effects
@@ -252,12 +253,12 @@ def test_deferred_settles_are_batched_and_fenced(
     statements: list[int] = []
     settle_many = dispatcher.store.settle_many
 
-    def counting(kind: str, pairs: Any) -> set[int]:
+    def counting(kind: SettleKind, pairs: Any) -> set[int]:
         statements.append(len(pairs))
         return settle_many(kind, pairs)
 
     dispatcher.store.settle_many = counting  # type: ignore[method-assign]
-    monkeypatch.setattr("outbox_dispatch.settler.WINDOW", 0.3)  # all seven gather
+    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 0.3)  # all seven gather
     try:
         for c in _claim(dispatcher, "quick"):
             result = dispatcher.delivery.deliver(c.id, c.token, family_hint="quick", defer=True)

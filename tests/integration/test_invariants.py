@@ -29,7 +29,7 @@ from outbox_dispatch import (
     Outcome,
 )
 from outbox_dispatch.caps import Slot
-from outbox_dispatch.store import Claimed
+from outbox_dispatch.rows import Claimed
 from tests.conftest import count_rows
 
 Row = dict[str, Any]

@@ -156,7 +156,7 @@ def _exercise_runtime(d: Dispatcher, url: str, schema: str) -> None:
 
     # the NOTIFY listener: advisory lock, LISTEN, and a claim when a commit notifies
     woke = threading.Event()
-    listener = d.wake_listener()
+    listener = d.commit_listener()
 
     def woken(families: list[str]) -> ClaimReport:
         woke.set()

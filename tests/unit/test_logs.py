@@ -148,10 +148,10 @@ def test_wake_listener_warning_does_not_quote_the_password(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from outbox_dispatch.claimer import ClaimReport
-    from outbox_dispatch.wake import WakeListener
+    from outbox_dispatch.listener import CommitListener
 
-    listener = WakeListener(BROKEN_URL, "outbox", "outbox_outbox", lambda f: ClaimReport())
-    with caplog.at_level(logging.WARNING, logger="outbox_dispatch.wake"):
+    listener = CommitListener(BROKEN_URL, "outbox", "outbox_outbox", lambda f: ClaimReport())
+    with caplog.at_level(logging.WARNING, logger="outbox_dispatch.listener"):
         listener.start()
         try:
             deadline = time.monotonic() + 5

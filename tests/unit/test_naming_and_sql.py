@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import uuid
+from pathlib import Path
 
 import pytest
 from celery import Celery
 
+import outbox_dispatch
 from outbox_dispatch import (
     ConfigurationError,
     Dispatcher,
@@ -14,11 +17,12 @@ from outbox_dispatch import (
     InvalidIdentifier,
     UnknownFamily,
 )
-from outbox_dispatch.cli import table
 from outbox_dispatch.delivery import parse_message
 from outbox_dispatch.logs import mask_dsn
 from outbox_dispatch.naming import identifier, quoted
+from outbox_dispatch.settle import BATCH_QUERY, QUERY
 from outbox_dispatch.sqlfiles import migrations, queries_for, raw_queries
+from outbox_dispatch.tables import table
 
 
 @pytest.mark.parametrize(
@@ -35,11 +39,22 @@ def test_good_identifier_is_quoted() -> None:
 
 def test_named_queries_are_complete_and_schema_qualified() -> None:
     names = set(raw_queries())
-    assert {"insert", "pick_due", "lease_rows", "begin", "settle_delete", "settle_park"} <= names
+    assert {"enqueue_insert", "claim_pick_due", "claim_lease", "deliver_begin"} <= names
     for name, text in queries_for("my_schema").items():
         assert "__SCHEMA__" not in text, name
         if "outbox" in text:
             assert '"my_schema".outbox' in text, name
+
+
+def test_every_query_the_package_names_exists_and_every_query_is_used() -> None:
+    """Queries are named in the code by their full name (``q["claim_pick_due"]``, or the
+    settle decision's table), never built from parts, so a reader finds each one from its use
+    and each use from the SQL."""
+    package = Path(outbox_dispatch.__file__).parent
+    source = "\n".join(p.read_text("utf-8") for p in package.rglob("*.py"))
+    used = set(re.findall(r'\bq\[\s*"([a-z_]+)"\s*\]', source))
+    used |= set(QUERY.values()) | set(BATCH_QUERY.values())
+    assert used == set(raw_queries())
 
 
 def test_migrations_are_numbered_in_order() -> None:

@@ -101,8 +101,8 @@ def test_time_limit_must_be_positive_seconds(bad: object) -> None:
 def test_time_limits_go_on_the_message_with_a_hard_limit_past_the_soft_one() -> None:
     from uuid import uuid4
 
-    from outbox_dispatch.claimer import batch_options, message_options
-    from outbox_dispatch.store import Claimed
+    from outbox_dispatch.publisher import batch_options, message_options
+    from outbox_dispatch.rows import Claimed
 
     row = Claimed(1, uuid4(), "c", None, 1)
     assert "time_limit" not in message_options(Family("plain"), row, "q")

@@ -10,9 +10,8 @@ import pytest
 from celery import Celery, signals
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.claimer import message_options
-from outbox_dispatch.publisher import Publisher
-from outbox_dispatch.store import Claimed
+from outbox_dispatch.publisher import Publisher, message_options
+from outbox_dispatch.rows import Claimed
 
 
 class Recorder:

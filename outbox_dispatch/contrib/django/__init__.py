@@ -73,7 +73,7 @@ def enqueue(
         at=at,
     )
     if _due_now(delay, at):
-        _wake_on_commit(connection, dispatcher, [dispatcher.registry.family_of(command)])
+        _claim_on_commit(connection, dispatcher, [dispatcher.registry.family_of(command)])
     return row_id
 
 
@@ -90,7 +90,7 @@ def enqueue_many(
     connection = _transaction_of(using, allow_autocommit)
     ids = dispatcher.enqueue_many(connection, batch)
     families = [dispatcher.registry.family_of(m.command) for m in batch if _due_now(m.delay, m.at)]
-    _wake_on_commit(connection, dispatcher, families)
+    _claim_on_commit(connection, dispatcher, families)
     return ids
 
 
@@ -126,10 +126,10 @@ class _Wake:
         self.__qualname__ = f"outbox_dispatch wake of family {family!r}"
 
     def __call__(self) -> None:
-        self.dispatcher.wake(self.family)
+        self.dispatcher.request_claim(self.family)
 
 
-def _wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[str]) -> None:
+def _claim_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[str]) -> None:
     wanted = sorted(set(families))
     if not wanted or _listens(dispatcher):
         return

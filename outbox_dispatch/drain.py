@@ -1,0 +1,95 @@
+"""drain(): claim and deliver in this process until nothing is due, for tests and scripts
+(the pytest plugin and ``Dispatcher.drain`` use it); no broker, no worker."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .claimer import Claimer
+from .delivery import Delivery
+from .errors import DrainLoop, DrainTimeout
+from .policy import Family
+from .rows import Claimed
+from .settle import Outcome
+
+
+@dataclass
+class DrainReport:
+    """What a drain did, by outcome."""
+
+    outcomes: dict[str, int] = field(default_factory=dict)
+    rounds: int = 0
+
+    def count(self, outcome: Outcome) -> int:
+        return self.outcomes.get(outcome.value, 0)
+
+    @property
+    def delivered(self) -> int:
+        return self.count(Outcome.DELIVERED)
+
+
+def drain(
+    claimer: Claimer,
+    delivery: Delivery,
+    families: Mapping[str, Family],
+    timeout: float = 30.0,
+    max_rounds: int = 100,
+) -> DrainReport:
+    """Claim and deliver in this process until nothing is due. For tests and scripts.
+
+    Raises DrainLoop when deliveries keep making new due work for ``max_rounds`` rounds that
+    each took every due row, and DrainTimeout when ``timeout`` seconds pass first.
+    """
+    report = DrainReport()
+    deadline = time.monotonic() + timeout
+    idle_rounds = 0
+    while True:
+        took_all = True
+        batch: list[tuple[Family, Claimed]] = []
+        for fam in list(families.values()):
+            result = claimer.claim_family(fam)
+            batch.extend((fam, c) for c in result.claimed)
+            _bump(report.outcomes, Outcome.PARKED.value, len(result.parked))
+            if result.limit == 0 or len(result.claimed) + len(result.parked) >= result.limit:
+                took_all = False
+        if not batch and took_all:
+            return report
+        report.rounds += 1
+        if took_all:
+            idle_rounds += 1
+            if idle_rounds > max_rounds:
+                raise DrainLoop(
+                    f"drain: deliveries kept staging due rows for {max_rounds} rounds "
+                    f"({report.outcomes}): a handler probably enqueues itself without end"
+                )
+        for fam, group in _groups(batch):
+            if fam.batch > 1:
+                pairs = [(c.id, c.token) for c in group]
+                results = delivery.deliver_batch(pairs, family_hint=fam.name)
+            else:
+                results = [delivery.deliver(c.id, c.token, family_hint=fam.name) for c in group]
+            for res in results:
+                _bump(report.outcomes, res.outcome.value, 1)
+        if time.monotonic() > deadline:
+            raise DrainTimeout(
+                f"drain: {timeout} s passed with rows still due ({report.outcomes}): "
+                "raise the timeout or look for slow handlers"
+            )
+
+
+def _groups(claimed: list[tuple[Family, Claimed]]) -> list[tuple[Family, list[Claimed]]]:
+    """Claimed rows by family, in chunks of the family's batch size."""
+    by_family: dict[str, tuple[Family, list[Claimed]]] = {}
+    for fam, c in claimed:
+        by_family.setdefault(fam.name, (fam, []))[1].append(c)
+    out = []
+    for fam, rows in by_family.values():
+        out += [(fam, rows[i : i + fam.batch]) for i in range(0, len(rows), fam.batch)]
+    return out
+
+
+def _bump(counts: dict[str, int], key: str, n: int) -> None:
+    if n:
+        counts[key] = counts.get(key, 0) + n

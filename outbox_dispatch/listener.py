@@ -1,0 +1,109 @@
+"""Commit-to-start latency: enqueue sends a NOTIFY that Postgres delivers at commit, and a
+listener in one worker process claims at once, so the beat interval is not the latency (the
+beat entry stays as the safety net).
+
+One listener per schema across all workers: the first takes a session advisory lock, the
+others wait to take over if it dies. The listener claims serially: notifications that arrive
+while a claim pass runs (or within ``coalesce`` seconds of the first) are served by one pass,
+so a burst of commits is not a burst of claims, and a lone commit waits for nothing.
+
+A family whose claim stopped at its in-flight limit (or a full queue) is claimed again every
+``refill`` seconds until a claim finds fewer due rows than it could take: under a backlog the
+queue is topped up as workers free room, without waiting for beat and without a claim loop
+that spins on a few rows at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import psycopg
+
+from .claimer import ClaimReport
+from .logs import event, mask_dsn
+from .naming import quoted
+
+log = logging.getLogger(__name__)
+
+REFILL = 0.05  # seconds between claims of a family held back by its in-flight limit
+
+
+class CommitListener:
+    def __init__(
+        self,
+        database_url: str,
+        schema: str,
+        channel: str,
+        claim: Callable[[list[str]], ClaimReport],
+        *,
+        coalesce: float = 0.0,
+        standby_retry: float = 5.0,
+        refill: float = REFILL,
+    ) -> None:
+        self.database_url = database_url
+        self.schema = schema
+        self.channel = channel
+        self.claim = claim
+        self.coalesce = coalesce
+        self.standby_retry = standby_retry
+        self.refill = refill
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.leading = threading.Event()
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="outbox-listener", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._serve()
+            except psycopg.Error as exc:
+                self.leading.clear()
+                event(
+                    log,
+                    logging.WARNING,
+                    "commit_listener_down",
+                    f"listener lost Postgres at {mask_dsn(self.database_url)} "
+                    f"({mask_dsn(str(exc))}); "
+                    "beat's claim entry keeps rows moving, retrying in 1 s",
+                )
+                self._stop.wait(1.0)
+            except Exception as exc:  # a claim failed: log it, keep listening
+                event(log, logging.ERROR, "listener_claim_failed", repr(exc))
+                self._stop.wait(0.5)
+
+    def _serve(self) -> None:
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            lock = f"{self.schema}.wake-listener"  # kept: listeners of older versions share it
+            while not self._stop.is_set():
+                row = conn.execute(
+                    "SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (lock,)
+                ).fetchone()
+                if row and row[0]:
+                    break
+                self._stop.wait(self.standby_retry)  # another worker listens; stand by
+            if self._stop.is_set():
+                return
+            conn.execute(f"LISTEN {quoted(self.channel)}")
+            self.leading.set()
+            event(log, logging.INFO, "listener_listening", f"listening on {self.channel}")
+            saturated: set[str] = set()
+            while not self._stop.is_set():
+                wait = self.refill if saturated else 0.5
+                families = {n.payload for n in conn.notifies(timeout=wait, stop_after=1)}
+                if not families and not saturated:
+                    continue
+                if families:
+                    families |= {n.payload for n in conn.notifies(timeout=self.coalesce)}
+                report = self.claim(sorted(families | saturated))
+                saturated = set(getattr(report, "saturated", None) or ())

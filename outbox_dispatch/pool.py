@@ -1,0 +1,74 @@
+"""Connection pools, opened lazily and rebuilt after a fork: Celery's prefork children must not
+share their parent's sockets. Two per process: the main pool (claims, starts, heartbeats,
+settles: short statements) and the handlers' pool (transactional handlers' transactions,
+which last as long as the handler), so a long handler never starves the others."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from .logs import MaskDsnFilter
+
+Conn = psycopg.Connection[Any]
+
+_POOL_FILTER = MaskDsnFilter()
+
+
+def _mask_pool_logs() -> None:
+    """psycopg_pool logs connection failures with the driver's message, which can quote the
+    URL (and its password) it could not parse."""
+    pool_log = logging.getLogger("psycopg.pool")
+    if _POOL_FILTER not in pool_log.filters:
+        pool_log.addFilter(_POOL_FILTER)
+
+
+class Pools:
+    def __init__(
+        self, database_url: str, schema: str, *, pool_size: int = 4, handler_pool_size: int = 32
+    ) -> None:
+        self.database_url = database_url
+        self.schema = schema
+        self._sizes = {"outbox": (1, pool_size), "handlers": (0, handler_pool_size)}
+        self._pools: dict[str, ConnectionPool] = {}
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def main(self) -> ConnectionPool:
+        return self._get("outbox")
+
+    def handlers(self) -> ConnectionPool:
+        return self._get("handlers")
+
+    def _get(self, role: str) -> ConnectionPool:
+        pool = self._pools.get(role) if self._pid == os.getpid() else None
+        if pool is not None:
+            return pool
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's pools are not ours
+                self._pools = {}
+                self._pid = os.getpid()
+            if role not in self._pools:
+                _mask_pool_logs()
+                low, high = self._sizes[role]
+                self._pools[role] = ConnectionPool(
+                    self.database_url,
+                    min_size=low,
+                    max_size=high,
+                    kwargs={"autocommit": True},
+                    open=True,
+                    name=f"{role}-{self.schema}",
+                )
+            return self._pools[role]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                for pool in self._pools.values():
+                    pool.close()
+            self._pools = {}

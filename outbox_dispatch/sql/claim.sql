@@ -1,0 +1,124 @@
+-- The claim, in the order it runs: lock the family, count what is in flight, pick due rows
+-- (capped families: rank candidates per actor), lease them; rows whose actor is at its cap
+-- are set waiting, and rows freed by settles come due again first.
+
+-- name: claim_lock_family
+-- Serializes one family's claims so the in-flight count cannot race; released at commit.
+-- Also turns bitmap scans off for the claim's transaction: a bitmap scan cannot skip the dead
+-- index entries that settled rows leave behind until vacuum (seen: 66k entries, 4.5 ms per
+-- in-flight count), while a plain index scan marks them dead once and then passes them by.
+SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
+       set_config('enable_bitmapscan', 'off', true);
+
+-- name: claim_in_flight
+-- Claimed rows whose lease still runs. A row whose lease ran out is not in flight, started or
+-- not: its holder is dead or stalled (every live handler's lease is renewed by its heartbeat),
+-- and the row is due again, so counting it would let dead workers' rows stop the family.
+-- Counted up to max_in_flight (a claim needs no more), along the outbox_claimed index.
+SELECT count(*) FROM (
+    SELECT 1 FROM __SCHEMA__.outbox
+    WHERE family = %(family)s AND claim_token IS NOT NULL AND due_at > now()
+    ORDER BY due_at
+    LIMIT %(max_in_flight)s
+) AS live;
+
+-- name: claim_pick_due
+-- A claim's first statement: due rows of a family from the outbox_due index range, oldest
+-- first, skipping rows another claimer holds; locked until the claim commits.
+SELECT id FROM __SCHEMA__.outbox
+WHERE family = %(family)s AND due_at <= now()
+  AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+ORDER BY due_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: claim_lease
+-- A claim's second statement: lease the rows it holds locked (picked due rows, or the capped
+-- claim's take) under the given tokens (the cap slots' tokens; none given: a fresh one each).
+-- A previous claim that never started (its message was lost or came too late) does not count
+-- as an attempt; one that started and never settled was lost mid-run, so the next attempt is
+-- marked maybe_applied, and a lost last attempt parks the row instead of running it again
+-- (returned with no token). Each row is judged from its own columns and found by primary key:
+-- no join, so no plan can turn the claim into a scan per row (a table without statistics
+-- once got a nested loop of sequential scans: 5 s for 2,000 rows).
+UPDATE __SCHEMA__.outbox o SET
+    (attempts, maybe_applied, lost_attempts, last_error, claim_token, claimed_at, due_since,
+     started_at, waiting, parked_at, due_at) = (
+    SELECT
+        CASE WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
+             ELSE o.attempts + 1 END,
+        o.maybe_applied OR j.lost,
+        o.lost_attempts + j.lost::int,
+        CASE WHEN j.lost THEN 'attempt ' || o.attempts
+                 || ' ended without an outcome (worker died or lease ran out)'
+             ELSE o.last_error END,
+        CASE WHEN j.exhausted THEN NULL
+             WHEN cardinality(%(tokens)s::uuid[]) = 0 THEN gen_random_uuid()
+             ELSE (%(tokens)s::uuid[])[array_position(%(ids)s::bigint[], o.id)] END,
+        CASE WHEN j.exhausted THEN NULL ELSE now() END,
+        CASE WHEN j.exhausted THEN o.due_since ELSE o.due_at END,
+        NULL::timestamptz,
+        false,
+        CASE WHEN j.exhausted THEN now() END,
+        CASE WHEN j.exhausted THEN o.due_at
+             ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
+    FROM (SELECT o.started_at IS NOT NULL AS lost,
+                 o.started_at IS NOT NULL AND (
+                     %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
+                     OR (%(max_attempts)s::int IS NOT NULL
+                         AND o.attempts >= %(max_attempts)s::int)
+                 ) AS exhausted) j
+)
+WHERE o.id = ANY(%(ids)s::bigint[])
+RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, o.claim_token IS NULL,
+    o.last_error;
+
+-- name: claim_capped_candidates
+-- Due rows of a capped family from the outbox_due index range, locked as they are read (SKIP
+-- LOCKED), then ranked per actor; rows with no actor rank 1 (uncapped). In (rank, due) order
+-- the first row of every actor comes before the second row of any, so one actor's backlog
+-- cannot fill the claim.
+WITH due AS MATERIALIZED (
+    SELECT id, actor, command, due_at FROM __SCHEMA__.outbox
+    WHERE family = %(family)s AND due_at <= now()
+      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+    ORDER BY due_at
+    LIMIT %(probe)s
+    FOR UPDATE SKIP LOCKED
+)
+SELECT id, actor, command,
+       CASE WHEN actor IS NULL THEN 1
+            ELSE row_number() OVER (PARTITION BY actor ORDER BY due_at, id) END AS rank
+FROM due
+ORDER BY rank, due_at, id;
+
+-- name: claim_mark_waiting
+-- Rows whose actor is at its cap leave the due range for one lease, or until a slot frees.
+-- A lapsed claim they still carried ends here: its token goes (no old worker can renew or
+-- settle a waiting row), an attempt that never started is given back, and a started one keeps
+-- started_at, so the claim that takes the row counts it as lost (maybe_applied).
+UPDATE __SCHEMA__.outbox SET waiting = true, due_at = now() + make_interval(secs => %(lease)s),
+    attempts = CASE WHEN claim_token IS NOT NULL AND started_at IS NULL
+                    THEN greatest(attempts - 1, 0) ELSE attempts END,
+    claim_token = NULL, claimed_at = NULL
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id;
+
+-- name: claim_promote_freed
+-- Each slot freed since the last claim makes one waiting row of its actor due now (oldest
+-- first), so the claim that follows can take it.
+UPDATE __SCHEMA__.outbox o SET waiting = false, due_at = now()
+FROM (
+    SELECT w.id
+    FROM unnest(%(actors)s::text[], %(counts)s::int[]) AS f(actor, n)
+    CROSS JOIN LATERAL (
+        SELECT id FROM __SCHEMA__.outbox
+        WHERE family = %(family)s AND actor = f.actor AND waiting
+          AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+        ORDER BY id
+        LIMIT f.n
+        FOR UPDATE SKIP LOCKED
+    ) w
+) p
+WHERE o.id = p.id
+RETURNING o.id;

@@ -1,0 +1,57 @@
+-- Delivery: start an attempt (token, lease and not-started checks), renew its lease while the
+-- handler runs, and hand back a row that may not start.
+
+-- name: deliver_begin
+-- Delivery start: the token must still hold, the lease must still run and the attempt must
+-- not have started before (a redelivered message of a killed worker waits for the lease).
+-- From here the lease is the heartbeat timeout: a dead worker's row is due again that soon.
+UPDATE __SCHEMA__.outbox SET started_at = now(),
+    due_at = now() + make_interval(secs => %(run_lease)s)
+WHERE id = %(id)s AND claim_token = %(token)s AND started_at IS NULL AND due_at > now()
+  AND NOT waiting
+RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
+    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id) AS cancel_requested,
+    extract(epoch FROM now() - due_since)::float8 AS waited, trace_context;
+
+-- name: deliver_begin_many
+-- Delivery start for a batched message: every row whose claim still holds starts at once.
+UPDATE __SCHEMA__.outbox o SET started_at = now(),
+    due_at = now() + make_interval(secs => %(run_lease)s)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
+WHERE o.id = p.id AND o.claim_token = p.token AND o.started_at IS NULL AND o.due_at > now()
+  AND NOT o.waiting
+RETURNING o.id, o.claim_token, o.family, o.command, o.actor, o.payload, o.attempts,
+    o.maybe_applied, o.dedupe_key,
+    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id),
+    extract(epoch FROM now() - o.due_since)::float8, o.trace_context;
+
+-- name: deliver_explain_stale
+SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,
+       due_at <= now() AS lapsed
+FROM __SCHEMA__.outbox WHERE id = %(id)s;
+
+-- name: deliver_handback
+-- A delivery that may not start (its cap slot lapsed) returns the row, uncounted, due now.
+UPDATE __SCHEMA__.outbox SET claim_token = NULL, claimed_at = NULL, started_at = NULL,
+    due_at = now(), attempts = greatest(attempts - 1, 0)
+WHERE id = %(id)s AND claim_token = %(token)s
+RETURNING id;
+
+-- name: deliver_renew
+-- Heartbeat: extend the leases still held (fenced by token) and report cancel requests.
+UPDATE __SCHEMA__.outbox o SET due_at = now() + make_interval(secs => %(run_lease)s),
+    progress = coalesce(p.progress, o.progress)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(progress)s::jsonb[])
+    AS p(id, token, progress)
+WHERE o.id = p.id AND o.claim_token = p.token AND o.due_at > now()
+RETURNING o.id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id);
+
+-- name: deliver_cancel_requests
+SELECT row_id FROM __SCHEMA__.outbox_cancel WHERE row_id = ANY(%(ids)s::bigint[]);
+
+-- name: deliver_check_claim
+-- A transactional handler's first statement: its claim still holds, and whether a cancel is
+-- pending. The row is not locked: the heartbeat renews its lease from another connection like
+-- any other, and the settle at the end of the handler's transaction is fenced by the token.
+SELECT id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
+FROM __SCHEMA__.outbox WHERE id = %(id)s AND claim_token = %(token)s AND due_at > now();

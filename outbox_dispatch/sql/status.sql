@@ -1,0 +1,60 @@
+-- What operators read: per-family counts, cap and line counts, and parked rows.
+
+-- name: status_families
+-- In flight means a live lease, as the claimer counts it; a row whose lease ran out is due
+-- (its attempt was lost and it is claimed again).
+SELECT family,
+    count(*) FILTER (WHERE live AND due_at <= now()) AS due,
+    count(*) FILTER (WHERE live AND due_at > now() AND claim_token IS NULL) AS scheduled,
+    count(*) FILTER (WHERE live AND claim_token IS NOT NULL AND due_at > now()) AS in_flight,
+    count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,
+    count(*) FILTER (WHERE cancelled_at IS NOT NULL) AS cancelled,
+    count(*) FILTER (WHERE done_at IS NOT NULL) AS done,
+    coalesce(extract(epoch FROM now() - min(due_at) FILTER (WHERE live AND due_at <= now())), 0)
+        AS oldest_due_age,
+    count(*) FILTER (WHERE live AND maybe_applied) AS maybe_applied
+FROM (
+    SELECT family, due_at, claim_token, parked_at, cancelled_at, done_at, maybe_applied,
+           parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL AS live
+    FROM __SCHEMA__.outbox
+) s
+GROUP BY family ORDER BY family;
+
+-- name: status_waiting_blocked
+SELECT family,
+       count(*) FILTER (WHERE waiting) AS waiting,
+       count(*) FILTER (WHERE blocked) AS blocked
+FROM __SCHEMA__.outbox
+WHERE family = ANY(%(families)s::text[]) AND parked_at IS NULL AND cancelled_at IS NULL
+  AND done_at IS NULL AND (waiting OR blocked)
+GROUP BY family;
+
+-- name: status_actors_in_flight
+SELECT family, actor, count(*) AS in_flight
+FROM __SCHEMA__.outbox
+WHERE family = ANY(%(families)s::text[]) AND actor IS NOT NULL
+  AND claim_token IS NOT NULL AND due_at > now()
+GROUP BY family, actor;
+
+-- name: parked_list
+SELECT id, family, command, actor, attempts, maybe_applied, last_error, created_at, parked_at
+FROM __SCHEMA__.outbox
+WHERE parked_at IS NOT NULL AND (%(family)s::text IS NULL OR family = %(family)s)
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+ORDER BY parked_at, id
+LIMIT %(limit)s;
+
+-- name: parked_retry
+UPDATE __SCHEMA__.outbox SET parked_at = NULL, attempts = 0, lost_attempts = 0, due_at = now(),
+    claim_token = NULL, started_at = NULL, claimed_at = NULL
+WHERE parked_at IS NOT NULL
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(family)s::text IS NULL OR family = %(family)s)
+RETURNING id, family, actor;
+
+-- name: parked_purge
+DELETE FROM __SCHEMA__.outbox
+WHERE parked_at IS NOT NULL
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(family)s::text IS NULL OR family = %(family)s)
+RETURNING id, family, actor;

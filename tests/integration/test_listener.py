@@ -1,0 +1,109 @@
+"""The NOTIFY wake path: a commit wakes the listener at once; a rollback or a delayed row
+does not."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import psycopg
+import pytest
+
+from outbox_dispatch import Dispatcher
+from outbox_dispatch.claimer import ClaimReport
+from outbox_dispatch.listener import CommitListener
+
+
+def test_commit_wakes_the_listener_and_rollback_does_not(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    woken: list[tuple[float, list[str]]] = []
+    event = threading.Event()
+
+    def claim(families: list[str]) -> ClaimReport:
+        woken.append((time.monotonic(), families))
+        event.set()
+        return ClaimReport()
+
+    listener = CommitListener(database_url, schema, dispatcher.store.channel, claim)
+    listener.start()
+    try:
+        assert listener.leading.wait(5)
+        cmd, job = commands(), commands(family="quick")
+        with psycopg.connect(database_url) as conn:
+            with pytest.raises(psycopg.errors.DivisionByZero), conn.transaction():
+                dispatcher.enqueue(conn, cmd, {})
+                conn.execute("SELECT 1/0")
+            with conn.transaction():
+                dispatcher.enqueue(conn, cmd, {}, delay=timedelta(minutes=5))
+        time.sleep(0.3)
+        assert woken == []  # nothing committed that is due now
+        with psycopg.connect(database_url) as conn:
+            with conn.transaction():
+                for _ in range(50):
+                    dispatcher.enqueue(conn, cmd, {})
+                dispatcher.enqueue(conn, job, {})
+            committed = time.monotonic()
+        assert event.wait(5)
+        at, families = woken[0]
+        assert sorted(families) == ["intent", "quick"]  # one wake for the whole transaction
+        assert at - committed < 0.5
+        time.sleep(0.2)
+        assert len(woken) == 1
+    finally:
+        listener.stop()
+
+
+def test_only_one_listener_per_schema_leads(
+    dispatcher: Dispatcher, database_url: str, schema: str
+) -> None:
+    first = CommitListener(database_url, schema, dispatcher.store.channel, lambda f: ClaimReport())
+    second = CommitListener(
+        database_url, schema, dispatcher.store.channel, lambda f: ClaimReport(), standby_retry=0.2
+    )
+    first.start()
+    try:
+        assert first.leading.wait(5)
+        second.start()
+        time.sleep(0.5)
+        assert not second.leading.is_set()
+        first.stop()  # the leader goes away: the standby takes over
+        assert second.leading.wait(5)
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_saturated_family_is_claimed_again_until_its_backlog_is_gone(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """One commit, and a claim held back by the family's in-flight limit: the listener claims
+    that family again every ``refill`` seconds, and stops once a claim is not held back."""
+    calls: list[list[str]] = []
+    at: list[float] = []
+    done = threading.Event()
+
+    def claim(families: list[str]) -> ClaimReport:
+        calls.append(families)
+        at.append(time.monotonic())
+        if len(calls) >= 4:
+            done.set()
+            return ClaimReport()
+        return ClaimReport(saturated={"intent"})
+
+    listener = CommitListener(database_url, schema, dispatcher.store.channel, claim, refill=0.05)
+    listener.start()
+    try:
+        assert listener.leading.wait(5)
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            dispatcher.enqueue(conn, commands(), {})
+        assert done.wait(5)
+        time.sleep(0.7)  # longer than the idle wait: no notify, nothing saturated, no claim
+        assert calls == [["intent"]] * 4
+        gaps = [b - a for a, b in itertools.pairwise(at)]
+        assert min(gaps) >= 0.045, gaps  # the refill interval, not a spin
+    finally:
+        listener.stop()
