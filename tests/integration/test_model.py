@@ -1,21 +1,37 @@
 """A model-based test of the whole outbox against the real Postgres and Redis.
 
 One hypothesis ``RuleBasedStateMachine`` drives a Dispatcher of its own (four families: plain,
-capped, ordered with parked rows blocking, ordered with parked rows passing) through enqueues,
-claims, deliveries that succeed, fail, park or crash, attempts that start and stall, heartbeats,
-late and duplicate messages, cancels, clock jumps and Redis data loss. The database is the
-truth: after every step the invariants read Postgres and Redis directly. The model only keeps
-what the handlers did, which tokens are stale, which cancels were asked for, and which
-attempts started and were never settled; each rule also predicts its own outcome from the
-state it read just before, and checks the state it leaves.
+capped, ordered with parked rows blocking, ordered with parked rows passing) through its rules:
 
-Time: ``store.clock_offset`` moves every clock the SQL reads; the clock rule moves the Redis
-slots' scores back by the same amount (Redis TIME cannot be offset), so leases, slots, backoffs
-and delays all run out without sleeping. The heartbeat thread is kept out of the way: it only
-renews entries whose next renewal is due, a third of the heartbeat timeout (10 s) of wall time
-after they start, and a delivery here takes milliseconds; the stalled attempts the model keeps
-are never left in its table (the heartbeat rule adds one, renews it by hand through the real
-``Heartbeats._renew`` and removes it), so every renewal is a step the model chose.
+- ``seed`` (initialize): the example's focus family, a few due rows, maybe a claim of them
+  and more rows due behind them;
+- ``enqueue``: a row (actor, delay, a dedupe key that may repeat), mostly of the focus;
+- ``claim``: a claim of a family (or of all), workers taking its first messages at once;
+- ``work``: a waiting message delivered (the handler succeeds, fails, parks, or its worker
+  dies in it), started and stalled, or lost; a consumed or lost message arriving late; a
+  stalled attempt's heartbeat, its worker coming back to settle, or its message redelivered;
+- ``cancel``: by id (often of a row whose claim is out) or by actor, committed;
+- ``world``: the clock jumps (Postgres by ``store.clock_offset``, Redis slots' scores by the
+  same), Redis loses every key, a caps rebuild, maintenance, parked rows retried or purged.
+
+The database is the truth: after every step (and inside every handler) the invariants read
+Postgres and Redis directly: each row in exactly one state; no actor over its cap in
+Postgres or Redis, no slot without its holder; one head per ordered actor, ahead of the rows
+behind it, and rows started in id order; no stale token holding again; cancel requests kept
+until honoured; nothing deleted or done without a DELIVERED whose handler returned. The model
+only keeps what the handlers did, which tokens are stale, which cancels were asked for, and
+which attempts started and were never settled; each rule also predicts its own outcome from
+the state it read just before, and checks the state it leaves. At the end, the stalled
+workers come back and the outbox must drain: every claim takes what is due.
+
+Time: ``store.clock_offset`` moves every clock the SQL reads, in whole units of 10 s; the
+Redis slots' scores move back by the same (Redis TIME cannot be offset), so leases, slots,
+backoffs and delays run out without sleeping, and the few hundred ms of real time an example
+takes never decide anything. The heartbeat thread is kept out of the way: it renews an entry
+a third of the heartbeat timeout (10 s) of wall time after it starts, and a delivery here
+takes milliseconds; a stalled attempt is never left in its table (the heartbeat step adds it,
+renews it once through the real ``Heartbeats._renew`` and removes it), so every renewal is a
+step the model chose.
 """
 
 from __future__ import annotations
