@@ -387,11 +387,6 @@ class Store:
             rows = conn.execute(self.q["deliver_renew"], params).fetchall()
         return {int(r[0]): bool(r[1]) for r in rows}
 
-    def cancel_requested(self, ids: Sequence[int]) -> set[int]:
-        with translated("cancel check"), self.connection() as conn:
-            rows = conn.execute(self.q["deliver_cancel_requests"], {"ids": list(ids)}).fetchall()
-        return {int(r[0]) for r in rows}
-
     def settle(
         self,
         kind: SettleKind,

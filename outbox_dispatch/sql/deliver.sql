@@ -46,9 +46,6 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(progress)s::jsonb[])
 WHERE o.id = p.id AND o.claim_token = p.token AND o.due_at > now()
 RETURNING o.id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id);
 
--- name: deliver_cancel_requests
-SELECT row_id FROM __SCHEMA__.outbox_cancel WHERE row_id = ANY(%(ids)s::bigint[]);
-
 -- name: deliver_check_claim
 -- A transactional handler's first statement: its claim still holds, and whether a cancel is
 -- pending. The row is not locked: the heartbeat renews its lease from another connection like
