@@ -204,12 +204,8 @@ class Dispatcher:
         except ValueError as exc:
             raise ConfigurationError(f"on_lost must be 'retry' or 'park', got {on_lost!r}") from exc
         keep = _retention_seconds(retention)
-        limit = time_limit.total_seconds() if isinstance(time_limit, timedelta) else time_limit
-        beat = (
-            heartbeat_timeout.total_seconds()
-            if isinstance(heartbeat_timeout, timedelta)
-            else heartbeat_timeout
-        )
+        limit = None if time_limit is None else _seconds(time_limit)
+        beat = _seconds(heartbeat_timeout)
         fam = Family(
             name,
             max_attempts=max_attempts,
@@ -545,6 +541,10 @@ class Dispatcher:
         self.store.close()
         if self.caps is not None:
             self.caps.close()
+
+
+def _seconds(value: float | timedelta) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else value
 
 
 def _retention_seconds(retention: object) -> float:

@@ -92,10 +92,15 @@ def _claim(d: Dispatcher, family: str) -> list[Claimed]:
     return d.claimer.claim_family(d.families[family]).claimed
 
 
-def _until_cancelled(seconds: float) -> Callable[[Context, Any], None]:
-    """A handler as users write them: works in small steps and stops when told to."""
+def _until_cancelled(
+    seconds: float, started: threading.Event | None = None
+) -> Callable[[Context, Any], None]:
+    """A handler as users write them: works in small steps and stops when told to.
+    ``started`` is set when it begins."""
 
     def handler(ctx: Context, payload: Any) -> None:
+        if started is not None:
+            started.set()
         deadline = time.monotonic() + seconds
         while not ctx.is_cancelled and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -202,13 +207,7 @@ def test_a_handler_whose_cap_slot_lapsed_is_told_to_stop_and_retried(
     fam = _name("slot")
     d.family(fam, per_actor=1, lease=10, heartbeat_timeout=1.5)
     started = threading.Event()
-    wait = _until_cancelled(10)
-
-    def handler(ctx: Context, payload: Any) -> None:
-        started.set()
-        wait(ctx, payload)
-
-    cmd = _handler(d, fam, handler)
+    cmd = _handler(d, fam, _until_cancelled(10, started))
     [row_id] = _enqueue(d, database_url, [Message(cmd, {}, actor="S")])
     [c] = _claim(d, fam)
     assert d.caps is not None
@@ -230,13 +229,7 @@ def test_a_cancel_seen_by_a_handler_that_returns_settles_as_cancelled(
     fam = _name("cancel")
     d.family(fam, lease=10, heartbeat_timeout=1.0)
     started = threading.Event()
-    wait = _until_cancelled(10)
-
-    def handler(ctx: Context, payload: Any) -> None:
-        started.set()
-        wait(ctx, payload)
-
-    cmd = _handler(d, fam, handler)
+    cmd = _handler(d, fam, _until_cancelled(10, started))
     [row_id] = _enqueue(d, database_url, [Message(cmd, {})])
     [c] = _claim(d, fam)
 
