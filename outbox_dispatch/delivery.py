@@ -201,7 +201,7 @@ class Delivery:
         except Exception as exc:
             return self._finish(s, family, self._after_exception(s, family, exc, running))
         settle = after_return(family, s.attempts, self.rand(), running.stop_reason())
-        return None if settle == delivered(family) else self._finish(s, family, settle)
+        return None if settle.delivers else self._finish(s, family, settle)
 
     def _settle_successes(self, done: list[Started]) -> list[Result]:
         results: list[Result] = []
@@ -303,7 +303,7 @@ class Delivery:
             )
         elapsed = time.perf_counter() - t0
         settle = after_return(family, started.attempts, self.rand(), running.stop_reason())
-        if settle != delivered(family):
+        if not settle.delivers:
             return self._finish(started, family, settle, elapsed)
         if defer and not family.ordered and not self._capped(started, family):
             # nothing waits on this settle (no cap slot, no ordered line): off the hot path

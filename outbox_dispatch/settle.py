@@ -65,6 +65,10 @@ class Settle:
     error: str | None = None
     maybe_applied: bool = False  # retry: the next attempt is told this one's effects are unknown
 
+    @property
+    def delivers(self) -> bool:
+        return self.kind in (SettleKind.DELETE, SettleKind.DONE)
+
 
 def delivered(family: Family) -> Settle:
     return Settle(SettleKind.DONE if family.retention > 0 else SettleKind.DELETE)
