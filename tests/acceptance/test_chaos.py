@@ -31,6 +31,9 @@ from tests.chaos.services import ServiceError, preflight
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ARGS = ["--rows", "2000", "--duration", "60", "--workers", "3", "--lease", "5"]
+# started attempts of killed workers are noticed after 3 s, queued messages after 5 s: on this
+# 2-core machine, a family at max_in_flight 2 behind two such rows needs the difference
+ARGS += ["--heartbeat-timeout", "3"]
 ARGS += ["--fault-interval", "3", "--seed", "7", "--pools", "threads,prefork"]
 
 
