@@ -30,13 +30,15 @@ from .policy import (
     cap_rule,
     family_is_capped,
     plan_capped_claim,
+    rows_per_message,
 )
 from .rows import CappedDecision, Claimed, ClaimResult, Holder
+from .runstats import RunStats
 from .store import Store
 
 log = logging.getLogger(__name__)
 
-Publisher = Callable[[Family, list[Claimed]], None]
+Publisher = Callable[[Family, list[Claimed], int], None]  # rows, rows per message
 CapRuleOf = Callable[[Family, str, str | None], CapRule | None]
 
 
@@ -66,6 +68,8 @@ class Claimer:
         cap_rule: CapRuleOf = lambda family, command, actor: cap_rule(family, command, None, actor),
         is_capped: Callable[[Family], bool] = lambda family: family_is_capped(family, False),
         queued: Callable[[Family], int] = lambda family: 0,
+        consumers: Callable[[], int] = lambda: 1,
+        run_stats: RunStats | None = None,
     ) -> None:
         self.store = store
         self.families = families
@@ -74,7 +78,25 @@ class Claimer:
         self.cap_rule = cap_rule
         self.is_capped = is_capped
         self.queued = queued
+        self.consumers = consumers
+        self.run_stats = run_stats
         self._passes = 0
+        self._sizes: dict[str, int] = {}  # family -> rows per message of its last claim
+
+    def message_size(self, family: Family, rows: int) -> int:
+        """Rows per delivery message for a claim of ``rows`` (see policy.rows_per_message)."""
+        if family.most_per_message <= 1 or rows <= 1:
+            return 1
+        stats = self.run_stats.of(family.name) if self.run_stats is not None else None
+        consumers = max(self.consumers(), stats[0] if stats else 0)
+        return rows_per_message(
+            rows,
+            most=family.most_per_message,
+            consumers=consumers,
+            queued=self.queued(family),
+            run_time=stats[1] if stats else None,
+            lease=family.lease,
+        )
 
     def claim_family(self, family: Family, *, batch: int | None = None) -> ClaimResult:
         t0 = time.perf_counter()
@@ -222,7 +244,9 @@ class Claimer:
             report.rounds += 1
             full: list[Family] = []
             for family in pending:
-                room = broker_room(family.max_in_flight, self.queued(family), family.batch)
+                room = broker_room(
+                    family.max_in_flight, self.queued(family), self._sizes.get(family.name, 1)
+                )
                 if room == 0:
                     report.saturated.add(family.name)
                     event(
@@ -249,7 +273,9 @@ class Claimer:
                     )
                     continue
                 if result.claimed:
-                    publish(family, result.claimed)
+                    size = self.message_size(family, len(result.claimed))
+                    self._sizes[family.name] = size
+                    publish(family, result.claimed, size)
                 _add(report.claimed, family.name, len(result.claimed))
                 _add(report.parked, family.name, len(result.parked))
                 _add(report.waiting, family.name, result.waiting)

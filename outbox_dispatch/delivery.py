@@ -16,12 +16,13 @@ from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable
 from .deferred_settles import DeferredSettles
 from .errors import PermanentFailure
-from .handlers import Context, HandlerFn, Registration, Registry
+from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
 from .policy import CapRule, Family, cap_rule
 from .pool import Conn
 from .rows import Started
+from .runstats import RunTimes
 from .settle import (
     Outcome,
     Settle,
@@ -109,6 +110,7 @@ class Delivery:
         ),
         on_slot_freed: Callable[[str], None] = lambda family: None,
         rand: Callable[[], float] = random.random,
+        run_times: RunTimes | None = None,
     ) -> None:
         self.store = store
         self.registry = registry
@@ -117,6 +119,7 @@ class Delivery:
         self.cap_rule = cap_rule
         self.on_slot_freed = on_slot_freed
         self.rand = rand
+        self.run_times = run_times
         self.heartbeats = Heartbeats(store)
         self.deferred = DeferredSettles(store, self._settle_refused)
 
@@ -130,7 +133,7 @@ class Delivery:
         if pair is not None:
             results = [self.deliver(*pair, family_hint=family_hint, defer=defer)]
         elif pairs is not None:
-            results = self.deliver_batch(pairs, family_hint=family_hint)
+            results = self.deliver_batch(pairs, family_hint=family_hint, defer=defer)
         else:
             shown = repr(args)[:200]
             event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
@@ -140,84 +143,29 @@ class Delivery:
         return results
 
     def deliver_batch(
-        self, pairs: list[tuple[int, UUID]], *, family_hint: str | None = None
+        self,
+        pairs: list[tuple[int, UUID]],
+        *,
+        family_hint: str | None = None,
+        defer: bool = False,
     ) -> list[Result]:
-        """A batched message: start every row in one statement, run the handlers one after
-        another, settle the successes in one statement (failures, cancels and transactional
-        rows settle one by one). If the worker dies mid-batch, every unsettled row of the
-        batch counts as started: its next attempt runs with maybe_applied set."""
-        started = self.store.begin_many(pairs, self._run_lease_for(family_hint))
-        began = {s.id for s in started}
-        results = [
-            Result(Outcome.STALE, row_id, "stale in batch")
-            for row_id, _ in pairs
-            if row_id not in began
+        """A batched message: its rows one after another, each exactly as if it had come in a
+        message of its own (its own start, attempt, time limit, cap slot, settle).
+
+        Each row starts just before its handler runs, so a worker killed mid-batch leaves only
+        the row it was running marked started (that one runs again with maybe_applied); the
+        rows after it never began, and run when the broker redelivers the message, or are
+        claimed again, uncounted, after their lease."""
+        family = self.families.get(family_hint or "")
+        hard = None if family is None else family.hard_time_limit()
+        # Celery's hard limit for the message is the rows' limits added up (publisher.py): a
+        # row past its own hard limit keeps its lease until then, when the pool process is
+        # killed, so no second copy of it can start while it still runs.
+        until = None if hard is None else time.monotonic() + hard * len(pairs)
+        return [
+            self.deliver(row_id, token, family_hint=family_hint, defer=defer, renew_until=until)
+            for row_id, token in pairs
         ]
-        if results:
-            event(log, logging.INFO, "stale_dropped", f"{len(results)} stale rows in a batch")
-        entries: list[tuple[Started, Registration, Running]] = []
-        for s in started:
-            family = self.families.get(s.family)
-            reg = self.registry.registration(s.command)
-            if family is None or reg is None or reg.fn is None or s.cancel_requested:
-                results.append(self._start_checked(s, family))
-                continue
-            _ctx, running = self._context(s, family)
-            running.soft_deadline = running.deadline = None  # each row's limit starts with it
-            self.heartbeats.add(running)
-            entries.append((s, reg, running))
-        done: list[Started] = []
-        try:
-            for s, reg, running in entries:
-                family = self.families[s.family]
-                assert reg.fn is not None
-                metrics.started(s.family, s.waited)
-                t0 = time.perf_counter()
-                running.soft_deadline, running.deadline = _deadlines(family)
-                with tracing.delivery_span(s) as span:
-                    span.set_attribute("outbox.batch", True)
-                    result = self._run_in_batch(s, family, reg, running)
-                    if result is None:
-                        done.append(s)
-                    else:
-                        results.append(result)
-                        tracing.finish(span, result.outcome.value, result.detail)
-                metrics.handled(s.family, s.command, time.perf_counter() - t0)
-            results += self._settle_successes(done)
-        finally:
-            for _, _, running in entries:
-                self.heartbeats.remove(running)
-        return results
-
-    def _run_in_batch(
-        self, s: Started, family: Family, reg: Registration, running: Running
-    ) -> Result | None:
-        """One row of a batch; None when its handler succeeded (settled with the others)."""
-        assert reg.fn is not None
-        if reg.transactional:
-            return self._run_in_transaction(s, family, reg.fn, running)
-        try:
-            reg.fn(running.ctx, s.payload)
-        except Exception as exc:
-            return self._finish(s, family, self._after_exception(s, family, exc, running))
-        settle = after_return(family, s.attempts, self.rand(), running.stop_reason())
-        return None if settle.delivers else self._finish(s, family, settle)
-
-    def _settle_successes(self, done: list[Started]) -> list[Result]:
-        results: list[Result] = []
-        by_kind: dict[SettleKind, list[Started]] = {}
-        for s in done:
-            by_kind.setdefault(delivered(self.families[s.family]).kind, []).append(s)
-        for kind, rows in by_kind.items():
-            settled = self.store.settle_many(kind, [(s.id, s.token) for s in rows])
-            for s in rows:
-                if s.id in settled:
-                    event(log, logging.INFO, "delivered", "handler ok (batch)", **_fields(s))
-                    results.append(Result(Outcome.DELIVERED, s.id))
-                else:  # a cancel request arrived, or the claim was lost
-                    family = self.families[s.family]
-                    results.append(self._finish(s, family, delivered(family)))
-        return results
 
     def _start_checked(self, started: Started, family: Family | None) -> Result:
         """The checks before a handler runs, for rows that fail them."""
@@ -235,7 +183,9 @@ class Delivery:
         )
         return self._finish(started, family, Settle(SettleKind.PARK, error=error))
 
-    def _context(self, started: Started, family: Family) -> tuple[Context, Running]:
+    def _context(
+        self, started: Started, family: Family, renew_until: float | None = None
+    ) -> tuple[Context, Running]:
         key = (started.id, started.token)
         ctx = Context(
             row_id=started.id,
@@ -248,6 +198,8 @@ class Delivery:
             _beat=lambda progress: self.heartbeats.beat_now(key, progress),
         )
         soft, hard = _deadlines(family)
+        if hard is not None and renew_until is not None:
+            hard = max(hard, renew_until)
         running = Running(
             ctx=ctx,
             token=started.token,
@@ -260,7 +212,13 @@ class Delivery:
         return ctx, running
 
     def deliver(
-        self, row_id: int, token: UUID, *, family_hint: str | None = None, defer: bool = False
+        self,
+        row_id: int,
+        token: UUID,
+        *,
+        family_hint: str | None = None,
+        defer: bool = False,
+        renew_until: float | None = None,
     ) -> Result:
         started = self.store.begin(row_id, token, self._run_lease_for(family_hint))
         if started is None:
@@ -273,7 +231,7 @@ class Delivery:
         reg = self.registry.registration(started.command)
         if family is None or reg is None or reg.fn is None or started.cancel_requested:
             return self._start_checked(started, family)
-        _ctx, running = self._context(started, family)
+        _ctx, running = self._context(started, family, renew_until)
         self.heartbeats.add(running)
         metrics.started(started.family, started.waited)
         t0 = time.perf_counter()
@@ -285,7 +243,10 @@ class Delivery:
                     result = self._run(started, family, reg.fn, running, defer=defer)
             finally:
                 self.heartbeats.remove(running)
-                metrics.handled(started.family, started.command, time.perf_counter() - t0)
+                elapsed = time.perf_counter() - t0
+                metrics.handled(started.family, started.command, elapsed)
+                if self.run_times is not None:
+                    self.run_times.record(started.family, elapsed)
             tracing.finish(span, result.outcome.value, result.detail)
         return result
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -42,6 +43,7 @@ from .pool import Conn
 from .publisher import Publisher
 from .queues import QueueProbe
 from .rows import Claimed, FamilyStatus
+from .runstats import RunStats, RunTimes
 from .store import Store
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
 
@@ -84,6 +86,7 @@ class Dispatcher:
         prune_interval: float = 60.0,
         prune_batch: int = 1000,
         listen: bool = True,
+        consumers: int | None = None,
     ) -> None:
         if not database_url:
             raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
@@ -94,6 +97,11 @@ class Dispatcher:
             raise ConfigurationError("claim_batch must be >= 1")
         if payload_limit < 2:
             raise ConfigurationError("payload_limit must be at least 2 bytes")
+        if consumers is not None and (
+            isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1
+        ):
+            raise ConfigurationError(f"consumers must be None or >= 1, got {consumers!r}")
+        self.consumers = consumers
         self.app = app
         self.database_url = database_url
         self.redis_url = redis_url
@@ -118,6 +126,8 @@ class Dispatcher:
             cap_rule=self.cap_rule,
             is_capped=self.is_capped,
             queued=lambda family: self.queues.queued(family),
+            consumers=self._consumers,
+            run_stats=RunStats(self.store),
         )
         self.delivery = Delivery(
             self.store,
@@ -126,6 +136,7 @@ class Dispatcher:
             caps=self.caps,
             cap_rule=self.cap_rule,
             on_slot_freed=self.request_claim,
+            run_times=RunTimes(self.store),
         )
 
         app.outbox_dispatcher = self  # lets `--app proj:celery_app` find us, as celery -A does
@@ -178,7 +189,7 @@ class Dispatcher:
         retention: float | timedelta = 0.0,
         on_lost: str | LostAttempt = LostAttempt.RETRY,
         parked_blocks: bool = True,
-        batch: int = 1,
+        batch: int | None = None,
         time_limit: float | timedelta | None = None,
         max_lost: int = 5,
         heartbeat_timeout: float | timedelta = 30.0,
@@ -193,6 +204,11 @@ class Dispatcher:
         ``lease``: how long a claimed row's message may wait in the queue before it starts.
         ``heartbeat_timeout``: how long a started attempt may go without a heartbeat (sent
         every third of it while the handler runs) before it counts as lost and runs again.
+        ``batch``: rows per delivery message. ``None`` (the default) sizes each claim's
+        messages from its backlog: one row per message at low load, up to 100 under a backlog
+        (spread over the consumers and bounded by the handlers' measured run time); ``n``
+        caps that at n; ``1`` pins one row per message. Each row still starts, settles,
+        retries and parks on its own.
         ``retention``: how long settled rows are kept (dedupe keys hold while the row is
         kept); ``math.inf`` or ``timedelta.max`` keeps them forever.
         """
@@ -222,7 +238,7 @@ class Dispatcher:
             max_lost=max_lost,
             heartbeat_timeout=beat,
         )
-        if (fam.ordered or fam.batch > 1) and self.registry.capped_commands(name):
+        if fam.ordered and self.registry.capped_commands(name):
             raise ConfigurationError(
                 f"family {name!r} is ordered: its handlers cannot set per_actor"
             )
@@ -254,10 +270,8 @@ class Dispatcher:
                 raise ConfigurationError(f"per_actor must be None or >= 1, got {per_actor!r}")
             self._need_redis(f"handler {command!r} with per_actor={per_actor}")
             fam = self.families.get(family)
-            if fam is not None and (fam.ordered or fam.batch > 1):
-                raise ConfigurationError(
-                    f"family {family!r} is ordered or batched: per_actor does not apply"
-                )
+            if fam is not None and fam.ordered:
+                raise ConfigurationError(f"family {family!r} is ordered: per_actor does not apply")
 
         def decorate(fn: HandlerFn) -> HandlerFn:
             reg = Registration(command, family, fn, per_actor, transactional)
@@ -364,17 +378,22 @@ class Dispatcher:
 
     # -- claim, publish, deliver ----------------------------------------------------------
 
-    def publish(self, family: Family, rows: Sequence[Claimed]) -> None:
-        """One message per row, or per ``family.batch`` rows; all on one producer connection."""
+    def publish(self, family: Family, rows: Sequence[Claimed], size: int = 1) -> None:
+        """One message per row, or per ``size`` rows; all on one producer connection."""
         if rows:
-            self.publisher.publish(family, rows, self.queue_name(family.name))
+            self.publisher.publish(family, rows, self.queue_name(family.name), size)
+
+    def _consumers(self) -> int:
+        """How many processes consume a family's queue at least: the ``consumers`` setting, or
+        this worker's concurrency (the run-time reports add the processes seen delivering)."""
+        if self.consumers is not None:
+            return self.consumers
+        return int(self.app.conf.worker_concurrency or os.cpu_count() or 1)
 
     def claim_and_publish(self, families: list[str] | None = None) -> ClaimReport:
         """One claimer pass (the beat task): claim each family's (or the named families') due
         rows and publish them."""
-        report = self.claimer.run(
-            lambda f, rows: self.publish(f, rows), budget=self.claim_interval, only=families
-        )
+        report = self.claimer.run(self.publish, budget=self.claim_interval, only=families)
         if report.total:
             event(log, logging.INFO, "claim_pass", f"published {report.claimed}")
         return report

@@ -64,30 +64,14 @@ def drain(
                     f"drain: deliveries kept staging due rows for {max_rounds} rounds "
                     f"({report.outcomes}): a handler probably enqueues itself without end"
                 )
-        for fam, group in _groups(batch):
-            if fam.batch > 1:
-                pairs = [(c.id, c.token) for c in group]
-                results = delivery.deliver_batch(pairs, family_hint=fam.name)
-            else:
-                results = [delivery.deliver(c.id, c.token, family_hint=fam.name) for c in group]
-            for res in results:
-                _bump(report.outcomes, res.outcome.value, 1)
+        for fam, c in batch:  # each row as a delivery worker runs it, batched or not
+            res = delivery.deliver(c.id, c.token, family_hint=fam.name)
+            _bump(report.outcomes, res.outcome.value, 1)
         if time.monotonic() > deadline:
             raise DrainTimeout(
                 f"drain: {timeout} s passed with rows still due ({report.outcomes}): "
                 "raise the timeout or look for slow handlers"
             )
-
-
-def _groups(claimed: list[tuple[Family, Claimed]]) -> list[tuple[Family, list[Claimed]]]:
-    """Claimed rows by family, in chunks of the family's batch size."""
-    by_family: dict[str, tuple[Family, list[Claimed]]] = {}
-    for fam, c in claimed:
-        by_family.setdefault(fam.name, (fam, []))[1].append(c)
-    out = []
-    for fam, rows in by_family.values():
-        out += [(fam, rows[i : i + fam.batch]) for i in range(0, len(rows), fam.batch)]
-    return out
 
 
 def _bump(counts: dict[str, int], key: str, n: int) -> None:

@@ -19,6 +19,9 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 
+RUN_STATS_KEPT = 3600.0  # seconds a quiet process's run-time report is kept
+
+
 class Maintenance:
     def __init__(self, store: Store, families: Mapping[str, Family]) -> None:
         self.store = store
@@ -54,6 +57,7 @@ class Maintenance:
                 deleted[fam.name] = total
         try:
             self.store.prune_cancel_requests()
+            self.store.prune_run_stats(RUN_STATS_KEPT)
         except OutboxError as exc:
             failed.append("cancel requests")
             event(log, logging.ERROR, "maintenance_failed", f"cancel request cleanup: {exc}")

@@ -19,6 +19,8 @@ from .naming import family_name
 MAX_LEASE = 30 * 86400.0  # 30 days
 MAX_RETENTION = 100 * 365.25 * 86400  # 100 years; math.inf keeps rows forever
 MAX_BACKOFF = 365.25 * 86400  # one year
+MAX_BATCH = 1000  # rows one delivery message may carry
+ADAPTIVE_BATCH = 100  # the most rows per message a family with batch=None is packed with
 
 
 def _seconds_in(value: object, low: float, high: float) -> bool:
@@ -80,7 +82,9 @@ class Family:
     retention: float = 0.0
     on_lost: LostAttempt = LostAttempt.RETRY
     parked_blocks: bool = True
-    batch: int = 1  # rows per delivery message; > 1 trades per-row latency for throughput
+    # rows per delivery message: None sizes each claim's messages from its backlog (one row
+    # per message at low load); n caps that at n, and 1 pins one row per message
+    batch: int | None = None
     max_lost: int = 5  # consecutive attempts without an outcome before the row is parked
     time_limit: float | None = None  # seconds a handler may run before its attempt is ended
     # seconds a started attempt may go without a heartbeat before it counts as lost; ``lease``
@@ -123,12 +127,14 @@ class Family:
             )
         if not isinstance(self.max_lost, int) or self.max_lost < 1:
             raise ConfigurationError(f"family {self.name!r}: max_lost must be >= 1")
-        if not isinstance(self.batch, int) or not 1 <= self.batch <= 1000:
-            raise ConfigurationError(f"family {self.name!r}: batch must be 1-1000 rows")
-        if self.batch > 1 and (self.ordered or self.per_actor is not None):
+        if self.batch is not None and (
+            isinstance(self.batch, bool)
+            or not isinstance(self.batch, int)
+            or not 1 <= self.batch <= MAX_BATCH
+        ):
             raise ConfigurationError(
-                f"family {self.name!r}: batched delivery is for families without per-actor "
-                "caps or ordering (their rows must start one by one)"
+                f"family {self.name!r}: batch must be None (sized per claim) or 1-{MAX_BATCH} "
+                f"rows per message, got {self.batch!r}"
             )
         if self.ordered and self.per_actor is not None:
             raise ConfigurationError(
@@ -142,6 +148,10 @@ class Family:
         if self.time_limit is None:
             return None
         return self.time_limit + max(1.0, self.time_limit * 0.1)
+
+    @property
+    def most_per_message(self) -> int:
+        return ADAPTIVE_BATCH if self.batch is None else self.batch
 
     def with_policy(self, **changes: object) -> Family:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -194,6 +204,40 @@ def decide_failure(
 def claim_limit(batch: int, max_in_flight: int, in_flight: int) -> int:
     """How many rows a claim may take: never more than the family can have in flight."""
     return max(0, min(batch, max_in_flight - in_flight))
+
+
+# Messages per consumer a claim under backlog aims for: several, so that no consumer idles
+# while another works through a long message, and few, so that each carries many rows.
+SPREAD = 4
+# The share of a family's lease one message's rows may take, by their measured run time: a
+# message's last row starts well inside the lease its claim gave it.
+LEASE_SHARE = 0.1
+
+
+def rows_per_message(
+    rows: int,
+    *,
+    most: int,
+    consumers: int,
+    queued: int,
+    run_time: float | None,
+    lease: float,
+) -> int:
+    """How many of a claim's ``rows`` each delivery message carries.
+
+    A claim that found no more rows than there are consumers sends one row per message: low
+    load keeps its latency and Flower's one task per row. Under a backlog the rows are spread
+    over ``SPREAD`` messages per consumer, fewer when the family's queue already holds
+    ``queued`` messages (the consumers are busy), and never more rows than the handlers'
+    measured ``run_time`` gets through in a tenth of the lease, nor more than ``most``.
+    """
+    if most <= 1 or rows <= max(1, consumers):
+        return 1
+    messages = max(consumers * SPREAD - queued, consumers, 1)
+    size = math.ceil(rows / messages)
+    if run_time is not None and run_time > 0:
+        size = min(size, max(1, int(lease * LEASE_SHARE / run_time)))
+    return max(1, min(size, most))
 
 
 def broker_room(max_in_flight: int, queued_messages: int, rows_per_message: int) -> int:

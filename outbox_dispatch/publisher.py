@@ -35,15 +35,19 @@ class Publisher:
         self.app = app
         self.task = task
 
-    def publish(self, family: Family, rows: Sequence[Claimed], queue: str) -> None:
-        """One message per row, or per ``family.batch`` rows; one producer, one pipeline."""
+    def publish(self, family: Family, rows: Sequence[Claimed], queue: str, size: int = 1) -> None:
+        """One message per row, or per ``size`` rows; one producer, one pipeline."""
         messages: Outgoing
-        if family.batch == 1:
+        if size <= 1:
             messages = [((r.id, str(r.token)), message_options(family, r, queue)) for r in rows]
         else:
             messages = []
-            for i in range(0, len(rows), family.batch):
-                chunk = rows[i : i + family.batch]
+            for i in range(0, len(rows), size):
+                chunk = rows[i : i + size]
+                if len(chunk) == 1:
+                    row = chunk[0]
+                    messages.append(((row.id, str(row.token)), message_options(family, row, queue)))
+                    continue
                 pairs = [[r.id, str(r.token)] for r in chunk]
                 messages.append(((pairs,), batch_options(family, chunk, queue)))
         with self.app.producer_or_acquire() as producer, _batched(producer):

@@ -318,35 +318,6 @@ class Store:
             row[9],
         )
 
-    def begin_many(self, pairs: Sequence[tuple[int, UUID]], run_lease: float) -> list[Started]:
-        """Start every row of a batched message whose claim still holds, in one statement."""
-        params = {
-            "ids": [i for i, _ in pairs],
-            "tokens": [t for _, t in pairs],
-            "run_lease": run_lease,
-        }
-        with translated("delivery start"), self.connection() as conn:
-            rows = conn.execute(self.q["deliver_begin_many"], params).fetchall()
-        started = [
-            Started(
-                int(r[0]),
-                r[1],
-                r[2],
-                r[3],
-                r[4],
-                r[5],
-                int(r[6]),
-                bool(r[7]),
-                r[8],
-                bool(r[9]),
-                r[10],
-                r[11],
-            )
-            for r in rows
-        ]
-        order = {row_id: i for i, (row_id, _) in enumerate(pairs)}
-        return sorted(started, key=lambda s: order[s.id])
-
     def settle_many(self, kind: SettleKind, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
         """Settle a batch's successes (``delete`` or ``done``); returns the ids settled."""
         if not pairs:
@@ -658,6 +629,23 @@ class Store:
     def prune_cancel_requests(self) -> int:
         with translated("prune"), self.connection() as conn:
             return len(conn.execute(self.q["maintenance_prune_cancel_requests"]).fetchall())
+
+    # -- run stats ------------------------------------------------------------------------
+
+    def report_run_time(self, family: str, process: str, run_seconds: float) -> None:
+        params = {"family": family, "process": process, "run_seconds": run_seconds}
+        with translated("run time report"), self.connection() as conn:
+            conn.execute(self.q["runstats_report"], params)
+
+    def run_stats(self, max_age: float) -> dict[str, tuple[int, float]]:
+        """family -> (processes that reported within ``max_age`` s, their mean run time)."""
+        with translated("run time read"), self.connection() as conn:
+            rows = conn.execute(self.q["runstats_read"], {"max_age": max_age}).fetchall()
+        return {str(r[0]): (int(r[1]), float(r[2])) for r in rows}
+
+    def prune_run_stats(self, max_age: float) -> int:
+        with translated("prune"), self.connection() as conn:
+            return conn.execute(self.q["runstats_prune"], {"max_age": max_age}).rowcount
 
 
 def wake_channel(schema: str) -> str:

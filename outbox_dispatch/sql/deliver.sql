@@ -13,18 +13,6 @@ RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
     EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id) AS cancel_requested,
     extract(epoch FROM now() - due_since)::float8 AS waited, trace_context;
 
--- name: deliver_begin_many
--- Delivery start for a batched message: every row whose claim still holds starts at once.
-UPDATE __SCHEMA__.outbox o SET started_at = now(),
-    due_at = now() + make_interval(secs => %(run_lease)s)
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
-WHERE o.id = p.id AND o.claim_token = p.token AND o.started_at IS NULL AND o.due_at > now()
-  AND NOT o.waiting
-RETURNING o.id, o.claim_token, o.family, o.command, o.actor, o.payload, o.attempts,
-    o.maybe_applied, o.dedupe_key,
-    EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id),
-    extract(epoch FROM now() - o.due_since)::float8, o.trace_context;
-
 -- name: deliver_explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,
        due_at <= now() AS lapsed

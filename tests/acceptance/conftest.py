@@ -28,7 +28,7 @@ def acc_env(database_url: str, redis_url: str, run_id: str) -> Iterator[dict[str
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(
             f'CREATE TABLE "{schema}".effects (row_id bigint, command text, attempt int,'
-            " pid int, at timestamptz DEFAULT now())"
+            " pid int, maybe_applied boolean, at timestamptz DEFAULT now())"
         )
     env = {
         **os.environ,

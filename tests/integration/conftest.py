@@ -62,6 +62,9 @@ def dispatcher(
     )
     d.family("quick", max_attempts=3, lease=5, backoff=Backoff(base=0.05, cap=0.1, jitter=0.0))
     d.family("bulk", max_attempts=3, lease=10, batch=10, backoff=Backoff(0.05, 0.1, 0.0))
+    # declared before the session's worker starts, so that it consumes their queues
+    d.family("plain")  # nothing set: batches sized per claim
+    d.family("cappedbatch", per_actor=2, lease=30)
     yield d
     d.close()
 

@@ -1,7 +1,9 @@
-"""Batched delivery: one message names up to `batch` (row id, token) pairs."""
+"""Batched delivery: a claim that finds a backlog packs several (row id, token) pairs into one
+message, sized per claim; at low load each row has a message of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,42 +17,87 @@ from tests.conftest import count_rows
 from .conftest import Effects
 
 
-def test_batched_family_publishes_pairs_and_the_worker_settles_them(
+def _deliveries(published: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in published if m["task"] == DELIVER_TASK]
+
+
+def _rows_in(message: dict[str, Any]) -> int:
+    args = message["body"][0]
+    return len(args[0]) if len(args) == 1 else 1
+
+
+def _clear_run_stats(database_url: str, schema: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'TRUNCATE "{schema}".outbox_run_stats')
+
+
+def test_a_lone_row_of_the_default_family_gets_a_message_of_its_own(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    published: list[dict[str, Any]],
+) -> None:
+    cmd = commands(family="plain")
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        row_id = dispatcher.enqueue(conn, cmd, {"n": 1}, actor="a-1")
+    assert dispatcher.claim_and_publish(["plain"]).claimed == {"plain": 1}
+    [message] = _deliveries(published)
+    assert message["body"][0][0] == row_id and len(message["body"][0]) == 2
+    assert message["headers"]["shadow"] == f"plain:{cmd}"  # Flower's name for it
+    assert message["headers"]["argsrepr"] == f"(row={row_id}, actor='a-1', attempt=1)"
+
+
+def test_a_backlog_is_packed_over_the_consumers_and_every_row_is_delivered_once(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
     effects: Effects,
     database_url: str,
+    schema: str,
     worker: object,
     published: list[dict[str, Any]],
 ) -> None:
-    def flaky(ctx: Context, payload: Any) -> None:
-        if payload.get("fail") and ctx.attempt == 1:
-            raise RuntimeError("first attempt fails")
-
-    cmd = commands(family="bulk", fn=flaky)
-    msgs = [Message(cmd, {"n": i, "fail": i == 7, "secret": "s3cr3t"}) for i in range(35)]
+    _clear_run_stats(database_url, schema)
+    cmd = commands(family="plain")
     with psycopg.connect(database_url) as conn, conn.transaction():
-        ids = dispatcher.enqueue_many(conn, msgs)
-    assert dispatcher.claim_and_publish().claimed == {"bulk": 35}
-    deadline = time.monotonic() + 20
-    while count_rows(database_url, dispatcher.schema, f"id = ANY(ARRAY{ids})") > 0:
-        if time.monotonic() > deadline:
-            raise AssertionError("batched rows not delivered")
-        dispatcher.claim_and_publish()  # the retried row comes due again
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(400)])
+    assert dispatcher.claim_and_publish(["plain"]).claimed == {"plain": 400}
+    messages = _deliveries(published)
+    sizes = [_rows_in(m) for m in messages]
+    consumers = dispatcher._consumers()
+    assert sum(sizes) == 400
+    # spread over SPREAD (4) messages per consumer, no more than 100 rows each
+    assert len(messages) == 4 * consumers and max(sizes) <= 100
+    assert all(
+        m["headers"]["shadow"] == f"plain:{cmd}[{n}]" for m, n in zip(messages, sizes, strict=True)
+    )
+    deadline = time.monotonic() + 30
+    while count_rows(database_url, schema, f"id = ANY(ARRAY{ids})") > 0:
+        assert time.monotonic() < deadline, "batched rows not delivered"
         time.sleep(0.05)
-    calls = [r for c, r, _, _ in effects.calls if c == cmd]
-    assert sorted(set(calls)) == sorted(ids)
-    assert len(calls) == 36  # 35 rows, one of them twice (it failed once)
-    messages = [m for m in published if m["task"] == DELIVER_TASK]
-    first_pass = messages[:4]
-    assert [len(m["body"][0][0]) for m in first_pass] == [10, 10, 10, 5]
-    for m in first_pass:
-        assert "s3cr3t" not in repr(m["body"])
-        assert m["headers"]["shadow"].startswith(f"bulk:{cmd}[")
-        assert "rows=[" in m["headers"]["argsrepr"]
+    assert sorted(effects.rows(cmd)) == sorted(ids)  # each exactly once
 
 
-def test_drain_delivers_batches_and_settles_failures_one_by_one(
+def test_message_size_follows_the_measured_run_time_and_the_queue(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """Handlers that take 0.5 s on a 10 s lease: a tenth of the lease fits 2 rows per message,
+    however big the backlog; handlers measured by two more processes count as consumers."""
+    _clear_run_stats(database_url, schema)
+    fam = dispatcher.family("slowish", lease=10)
+    claimer = dispatcher.claimer
+    assert claimer.message_size(fam, 1) == 1
+    local = dispatcher._consumers()
+    assert claimer.message_size(fam, 400) == min(100, -(-400 // (4 * local)))
+    for process in ("host-a:1", "host-b:2", "host-c:3"):
+        dispatcher.store.report_run_time("slowish", process, 0.5)
+    claimer.run_stats._read_at = -1e9  # type: ignore[union-attr]  # read the reports now
+    assert claimer.message_size(fam, 400) == 2
+    assert claimer.message_size(dispatcher.family("slowish", lease=100), 400) == 20
+    pinned = dispatcher.family("slowish", batch=1)
+    assert claimer.message_size(pinned, 400) == 1
+
+
+def test_each_row_of_a_batch_starts_settles_and_retries_on_its_own(
     dispatcher: Dispatcher, commands: Callable[..., str], effects: Effects, database_url: str
 ) -> None:
     def fail_odd(ctx: Context, payload: Any) -> None:
@@ -60,42 +107,102 @@ def test_drain_delivers_batches_and_settles_failures_one_by_one(
     cmd = commands(family="bulk", fn=fail_odd)
     with psycopg.connect(database_url) as conn, conn.transaction():
         dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(12)])
-    report = dispatcher.drain(timeout=10)
-    assert report.delivered == 6
-    assert report.count(Outcome.RETRIED) == 6
-
-
-def test_a_worker_dying_mid_batch_marks_the_whole_batch_maybe_applied(
-    dispatcher: Dispatcher, commands: Callable[..., str], effects: Effects, database_url: str
-) -> None:
-    cmd = commands(family="bulk")
-    with psycopg.connect(database_url) as conn, conn.transaction():
-        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(3)])
     claimed = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
-    started = dispatcher.store.begin_many([(c.id, c.token) for c in claimed], run_lease=10)
-    assert [s.id for s in started] == ids  # then the worker is killed
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(f'UPDATE "{dispatcher.schema}".outbox SET due_at = now()')
-    dispatcher.drain(timeout=10)
-    flags = [(c, a) for c, _, a, _ in effects.calls if c == cmd]
-    assert flags == [(cmd, 2)] * 3
+    results = dispatcher.delivery.deliver_batch(
+        [(c.id, c.token) for c in claimed], family_hint="bulk"
+    )
+    assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.RETRIED] * 6
+
+
+def test_rows_after_the_one_that_was_running_are_not_marked_started(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """A process that dies in a batch's third handler: the third row is the only one marked
+    started (it runs again with maybe_applied); the ones after it never began. The process
+    kill itself is tested in tests/acceptance/test_batch_processes.py."""
+
+    class Killed(BaseException):
+        pass
+
+    def die_on_third(ctx: Context, payload: Any) -> None:
+        if payload["n"] == 2 and ctx.attempt == 1:
+            raise Killed()
+
+    cmd = commands(family="bulk", fn=die_on_third)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(6)])
+    claimed = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
+    with contextlib.suppress(Killed):
+        dispatcher.delivery.deliver_batch([(c.id, c.token) for c in claimed], family_hint="bulk")
+    with psycopg.connect(database_url) as conn:
+        started = {
+            r[0]: r[1]
+            for r in conn.execute(
+                f'SELECT id, started_at IS NOT NULL FROM "{schema}".outbox WHERE id = ANY(%s)',
+                (ids,),
+            )
+        }
+    assert started == {ids[2]: True, ids[3]: False, ids[4]: False, ids[5]: False}
 
 
 def test_each_row_of_a_batch_gets_its_own_time_limit(
     dispatcher: Dispatcher, commands: Callable[..., str], conn: psycopg.Connection[Any]
 ) -> None:
-    """Eight 0.4 s handlers in one message of a family with a 1 s limit (2 s hard): each
-    row's limit starts with its own handler, so none is told to stop (with one deadline for
-    the whole batch, the later rows started already cancelled and lost their leases)."""
-    dispatcher.family("slowbatch", batch=8, lease=3, time_limit=1)
+    """Eight 0.4 s handlers in one message of a family with a 1 s limit: each row's limit
+    starts with its own handler, so none is told to stop; a 1.5 s one in the same message is
+    told to stop at its own limit and retried."""
+    dispatcher.family("slowbatch", batch=9, lease=30, time_limit=1)
     told: list[bool] = []
 
     def slow(ctx: Context, payload: Any) -> None:
-        told.append(ctx.is_cancelled)
-        time.sleep(0.4)
+        if payload.get("long"):
+            time.sleep(1.5)
+        else:
+            told.append(ctx.is_cancelled)
+            time.sleep(0.4)
 
     name = commands(family="slowbatch", fn=slow)
     with conn.transaction():
-        dispatcher.enqueue_many(conn, [Message(name, {"n": i}) for i in range(8)])
-    assert dispatcher.drain(timeout=20).delivered == 8
+        dispatcher.enqueue_many(conn, [Message(name, {"n": i, "long": i == 4}) for i in range(9)])
+    claimed = dispatcher.claimer.claim_family(dispatcher.families["slowbatch"]).claimed
+    results = dispatcher.delivery.deliver_batch(
+        [(c.id, c.token) for c in claimed], family_hint="slowbatch"
+    )
+    outcomes = [r.outcome for r in results]
+    assert outcomes == [Outcome.DELIVERED] * 4 + [Outcome.RETRIED] + [Outcome.DELIVERED] * 4
+    assert "time_limit of 1 s" in results[4].detail
     assert told == [False] * 8
+
+
+def test_a_capped_family_batches_and_keeps_its_cap(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    schema: str,
+    worker: object,
+    published: list[dict[str, Any]],
+) -> None:
+    """Cap 2 over 5 actors, 60 rows: the claim packs the rows it may take into messages, and
+    no actor ever has more than 2 running."""
+    running: dict[str, int] = {}
+    most: dict[str, int] = {}
+
+    def track(ctx: Context, payload: Any) -> None:
+        assert ctx.actor is not None
+        running[ctx.actor] = running.get(ctx.actor, 0) + 1
+        most[ctx.actor] = max(most.get(ctx.actor, 0), running[ctx.actor])
+        time.sleep(0.01)
+        running[ctx.actor] -= 1
+
+    cmd = commands(family="cappedbatch", fn=track)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(
+            conn, [Message(cmd, {"n": i}, actor=f"a{i % 5}") for i in range(60)]
+        )
+    deadline = time.monotonic() + 30
+    while count_rows(database_url, schema, f"id = ANY(ARRAY{ids})") > 0:
+        assert time.monotonic() < deadline, "capped rows not delivered"
+        dispatcher.claim_and_publish(["cappedbatch"])
+        time.sleep(0.05)
+    assert max(most.values()) <= 2
+    assert any(_rows_in(m) > 1 for m in _deliveries(published))

@@ -104,7 +104,7 @@ def test_a_pass_held_back_by_max_in_flight_claims_once_and_says_so(
     published: list[Claimed] = []
 
     def run() -> ClaimReport:
-        return claimer.run(lambda f, rows: published.extend(rows), budget=5.0)
+        return claimer.run(lambda f, rows, size: published.extend(rows), budget=5.0)
 
     report = run()
     assert (report.claimed, report.rounds, report.saturated) == ({"quick": 40}, 1, {"quick"})

@@ -231,7 +231,7 @@ def test_postgres_down_at_claim_fails_the_pass_clearly_and_claims_nothing(
     pg_proxy.cut()
     published: list[Claimed] = []
     with pytest.raises(DatabaseError, match=r"^claim of family \w+ failed: .*server closed"):
-        d.claimer.run(lambda fam, rows: published.extend(rows))
+        d.claimer.run(lambda fam, rows, size: published.extend(rows))
     assert published == []
     pg_proxy.restore()
     assert count_rows(database_url, schema, "claim_token IS NULL AND attempts = 0") == 1
@@ -289,7 +289,7 @@ def test_redis_down_pauses_capped_claims_with_a_clear_warning_and_they_resume(
     def claim_pass() -> tuple[list[Claimed], float]:
         out: list[Claimed] = []
         t0 = time.monotonic()
-        d.claimer.run(lambda fam, rows: out.extend(rows), only=["capdown"])
+        d.claimer.run(lambda fam, rows, size: out.extend(rows), only=["capdown"])
         return out, time.monotonic() - t0
 
     redis_proxy.cut()
@@ -385,7 +385,7 @@ def test_redis_down_warning_names_the_cause(
         d.enqueue(conn, "fault.cause", {}, actor="C")
     redis_proxy.cut()
     with caplog.at_level(logging.WARNING, logger="outbox_dispatch"):
-        d.claimer.run(lambda fam, rows: None, only=["capcause"])
+        d.claimer.run(lambda fam, rows, size: None, only=["capcause"])
     [line] = [r.getMessage() for r in _warnings(caplog, "caps_unavailable")]
     assert "Connection refused" in line
 

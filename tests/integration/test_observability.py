@@ -106,15 +106,22 @@ def test_queue_length_counts_messages_nobody_consumed(
     """A producer whose queues no worker consumes: its messages wait in the broker."""
     app = Celery("qlen", broker=redis_url, set_as_current=False)
     app.conf.broker_transport_options = {"global_keyprefix": key_prefix}
-    d = Dispatcher(app, database_url=database_url, schema=schema, queue_prefix="qlen", listen=False)
-    d.family("reports", batch=10)
+    d = Dispatcher(
+        app,
+        database_url=database_url,
+        schema=schema,
+        queue_prefix="qlen",
+        listen=False,
+        consumers=1,
+    )
+    d.family("reports", batch=10)  # sized per claim: 25 rows over 4 messages of one consumer
     d.declare("q.report", family="reports")
     try:
         with conn.transaction():
             d.enqueue_many(conn, [Message("q.report", {"n": i}) for i in range(25)])
         assert d.queue_lengths()["reports"] == 0
         d.claim_and_publish(["reports"])
-        assert d.queue_lengths()["reports"] == 3  # 10 rows per message
+        assert d.queue_lengths()["reports"] == 4  # 7, 7, 7 and 4 rows
     finally:
         d.close()
 
@@ -201,7 +208,7 @@ def test_stale_messages_waiting_in_the_queue_are_not_multiplied(
     app = Celery("backlog", broker=redis_url, set_as_current=False)
     app.conf.broker_transport_options = {"global_keyprefix": key_prefix}
     d = Dispatcher(app, database_url=database_url, schema=schema, queue_prefix="blog", listen=False)
-    d.family("hooks", max_in_flight=10, lease=1)
+    d.family("hooks", max_in_flight=10, lease=1, batch=1)
     d.declare("b.hook", family="hooks")
     try:
         with conn.transaction():

@@ -37,7 +37,7 @@ def test_claimer_publishes_ids_and_tokens_and_the_worker_delivers_once(
     secret = {"card": "4242-secret", "order": 42}
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = [dispatcher.enqueue(conn, email, secret, actor="order:42") for _ in range(20)]
-        ids.append(dispatcher.enqueue(conn, job, secret))
+        ids.append(dispatcher.enqueue(conn, job, secret, actor="order:7"))
     report = dispatcher.claim_and_publish()
     assert report.claimed == {"intent": 20, "quick": 1}
     _wait(lambda: count_rows(database_url, dispatcher.schema) == 0)
@@ -48,18 +48,24 @@ def test_claimer_publishes_ids_and_tokens_and_the_worker_delivers_once(
     assert len(effects.calls) == 21
 
     deliveries = [m for m in published if m["task"] == DELIVER_TASK]
-    assert len(deliveries) == 21
+    sent: list[int] = []
     for m in deliveries:
         args, kwargs, _embed = m["body"]
         assert kwargs == {}
-        assert len(args) == 2 and args[0] in ids  # (row id, token): never the payload
+        pairs = [args] if len(args) == 2 else args[0]  # (row id, token), or a batch of them
+        assert all(len(pair) == 2 for pair in pairs)  # never the payload
+        sent += [pair[0] for pair in pairs]
         assert "secret" not in repr(m["body"])
         assert m["routing_key"] in ("outbox.intent", "outbox.quick")
-    shown = {m["headers"]["shadow"] for m in deliveries}
+    assert sorted(sent) == sorted(ids)
+    shown = {m["headers"]["shadow"].split("[")[0] for m in deliveries}
     assert shown == {f"intent:{email}", f"quick:{job}"}
-    one = next(m for m in deliveries if m["headers"]["shadow"] == f"intent:{email}")
-    assert "actor='order:42'" in one["headers"]["argsrepr"]
+    one = next(m for m in deliveries if m["headers"]["shadow"] == f"quick:{job}")
+    assert "actor='order:7'" in one["headers"]["argsrepr"]
     assert f"row={one['body'][0][0]}" in one["headers"]["argsrepr"]
+    # the 20 rows of the backlog came packed, each message named with its row count
+    packed = [m for m in deliveries if m["headers"]["shadow"].startswith(f"intent:{email}[")]
+    assert packed and all("rows=[" in m["headers"]["argsrepr"] for m in packed)
 
 
 def test_garbage_on_the_delivery_queue_runs_nothing(
