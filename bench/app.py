@@ -55,19 +55,22 @@ def plain_latency(sent: float) -> None:
     bump()
 
 
-dispatcher.family("uncapped", lease=60, max_in_flight=1000)
-dispatcher.family("capped", lease=60, max_in_flight=1000, per_actor=4)
-dispatcher.family("batched", lease=60, max_in_flight=2000, batch=50)
+# What each throughput scenario measures (see bench/report.py for the names):
+dispatcher.family("default")  # nothing set, as a user declares one: sized per claim
+dispatcher.family("single", batch=1)  # one row per message
+dispatcher.family("uncapped")
+dispatcher.family("capped", per_actor=4)
+dispatcher.family("uncapped1", batch=1)
+dispatcher.family("capped1", per_actor=4, batch=1)
+dispatcher.family("batched", lease=60, max_in_flight=2000, batch=50)  # the RSS scenario
 
 
 def outbox_noop(ctx: Context, payload: Any) -> None:
     bump()
 
 
-dispatcher.handler("bench.noop", family="intent")(outbox_noop)
-dispatcher.handler("bench.uncapped", family="uncapped")(outbox_noop)
-dispatcher.handler("bench.capped", family="capped")(outbox_noop)
-dispatcher.handler("bench.batched", family="batched")(outbox_noop)
+for _family in ("default", "single", "uncapped", "capped", "uncapped1", "capped1", "batched"):
+    dispatcher.handler(f"bench.{_family}", family=_family)(outbox_noop)
 
 # Backpressure: slow handlers on a short lease, the claim limited to the family's free capacity.
 # The scenario sets these through the environment of the worker it starts.
@@ -101,7 +104,7 @@ def outbox_slow(ctx: Context, payload: Any) -> None:
     bump()
 
 
-@dispatcher.handler("bench.latency", family="intent")
+@dispatcher.handler("bench.latency", family="default")
 def outbox_latency(ctx: Context, payload: Any) -> None:
     note_latency(payload["sent"])
     bump()

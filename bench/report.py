@@ -10,10 +10,17 @@ from typing import Any
 
 from outbox_dispatch.tables import table
 
-# what each system's per-row throughput is compared with, and the issue's targets (ours/theirs)
-PER_ROW = "outbox per-row"
-BATCHED = "outbox batched (50/msg)"
-PEER_TARGETS = {"procrastinate": 3.0, "django-celery-outbox": 1.5}
+# the scenarios the goals compare (issue 14); the outbox families are in bench/app.py
+PLAIN = "celery delay()"
+DEFAULT = "outbox default family"
+PER_ROW = "outbox batch=1"
+UNCAPPED = "100 actors, uncapped"
+CAPPED = "100 actors, cap 4"
+UNCAPPED_1 = "100 actors, uncapped, batch=1"
+CAPPED_1 = "100 actors, cap 4, batch=1"
+PROCRASTINATE = "procrastinate"
+DCO = "django-celery-outbox"
+PEERS = (PROCRASTINATE, DCO)
 
 
 @dataclass
@@ -133,6 +140,7 @@ class Results:
             asdict(b) | {"per_second": round(b.per_second, 1)} for b in self.backpressure
         ]
         out["peer_ratios"] = peer_ratios(self.throughput)
+        out["goals"] = goals(self)
         return out
 
 
@@ -183,7 +191,7 @@ def _by_scenario(figures: list[Throughput]) -> dict[str, Throughput]:
     return {f.scenario: f for f in figures}
 
 
-def throughput_table(figures: list[Throughput], baseline: str = "celery delay()") -> str:
+def throughput_table(figures: list[Throughput], baseline: str = PLAIN) -> str:
     base = _by_scenario(figures).get(baseline)
     rows = [
         {
@@ -213,31 +221,20 @@ def cpu_table(figures: list[Throughput]) -> str:
 
 
 def peer_ratios(figures: list[Throughput]) -> list[dict[str, Any]]:
-    """Ours / theirs for every peer that ran: per-row (the like-for-like, one row per message)
-    and batched; ``meets`` compares the per-row ratio with the issue's target."""
+    """Ours / theirs for every peer that ran: the default family (sized per claim) and one
+    row per message (batch=1, the like-for-like)."""
     by = _by_scenario(figures)
-    ours = by.get(PER_ROW)
-    batched = by.get(BATCHED)
     out: list[dict[str, Any]] = []
     for f in figures:
-        if f.system not in PEER_TARGETS:
+        if f.system not in PEERS:
             continue
-        target = PEER_TARGETS[f.system]
-        per_row = ours.per_second / f.per_second if ours and f.per_second > 0 else None
-        out.append(
-            {
-                "peer": f.system,
-                "peer rows/s": round(f.per_second, 1),
-                "per-row ours/theirs": round(per_row, 2) if per_row is not None else None,
-                "batched ours/theirs": (
-                    round(batched.per_second / f.per_second, 2)
-                    if batched and f.per_second > 0
-                    else None
-                ),
-                "target": target,
-                "meets": None if per_row is None else per_row >= target,
-            }
-        )
+        row: dict[str, Any] = {"peer": f.system, "peer rows/s": round(f.per_second, 1)}
+        for label, scenario in (("default", DEFAULT), ("batch=1", PER_ROW)):
+            ours = by.get(scenario)
+            row[f"{label} ours/theirs"] = (
+                round(ours.per_second / f.per_second, 2) if ours and f.per_second > 0 else None
+            )
+        out.append(row)
     return out
 
 
@@ -246,15 +243,93 @@ def peer_table(figures: list[Throughput]) -> str:
         {
             **r,
             "peer rows/s": f"{r['peer rows/s']:,.0f}",
-            "per-row ours/theirs": _x(r["per-row ours/theirs"]),
-            "batched ours/theirs": _x(r["batched ours/theirs"]),
-            "target": f">= {r['target']:.1f}x",
-            "meets": {True: "yes", False: "NO", None: "-"}[r["meets"]],
+            "default ours/theirs": _x(r["default ours/theirs"]),
+            "batch=1 ours/theirs": _x(r["batch=1 ours/theirs"]),
         }
         for r in peer_ratios(figures)
     ]
-    columns = ["peer", "peer rows/s", "per-row ours/theirs", "batched ours/theirs", "target"]
-    return table(rows, [*columns, "meets"])
+    return table(rows, ["peer", "peer rows/s", "default ours/theirs", "batch=1 ours/theirs"])
+
+
+def goals(results: Results) -> list[dict[str, Any]]:
+    """Issue 14's goals, each with its target, what this run measured and whether it is met
+    (None: the scenarios it needs did not run)."""
+    by = _by_scenario(results.throughput)
+    out: list[dict[str, Any]] = []
+
+    def throughput(goal: str, ours: str, theirs: str, target: float) -> None:
+        a, b = by.get(ours), by.get(theirs)
+        value = a.per_second / b.per_second if a and b and b.per_second > 0 else None
+        out.append(
+            _goal(goal, f">= {target:.1f}x", value, None if value is None else value >= target, "x")
+        )
+
+    throughput("1. default family vs plain Celery delay()", DEFAULT, PLAIN, 2.0)
+    throughput("1. default family vs django-celery-outbox", DEFAULT, DCO, 2.0)
+    throughput("2. batch=1 vs django-celery-outbox", PER_ROW, DCO, 1.0)
+    throughput("2. cap 4 over 100 actors vs django-celery-outbox", CAPPED, DCO, 1.0)
+    throughput("2. cap 4 vs uncapped (100 actors)", CAPPED, UNCAPPED, 0.8)
+    throughput("2. cap 4 vs uncapped (100 actors), batch=1", CAPPED_1, UNCAPPED_1, 0.8)
+    lat = {(x.scenario, x.pace): x for x in results.latency}
+    for pace in (50,):
+        ours, theirs = lat.get((DEFAULT, pace)), lat.get((PROCRASTINATE, pace))
+        for q in ("p50", "p99"):
+            a = getattr(ours, f"{q}_ms") if ours else None
+            b = getattr(theirs, f"{q}_ms") if theirs else None
+            met = None if a is None or b is None else a <= b
+            target = f"<= procrastinate ({b} ms)" if b is not None else "<= procrastinate"
+            out.append(_goal(f"3. commit to start {q} at {pace} rows/s", target, a, met, " ms"))
+    at200 = lat.get((DEFAULT, 200))
+    p99 = at200.p99_ms if at200 else None
+    out.append(
+        _goal(
+            "3. commit to start p99 at 200 rows/s",
+            "<= 10 ms",
+            p99,
+            None if p99 is None else p99 <= 10,
+            " ms",
+        )
+    )
+    if len(results.claim_cost) > 1 and results.claim_cost[0].median_ms > 0:
+        r = results.claim_cost[1].median_ms / results.claim_cost[0].median_ms
+        out.append(_goal("4. claim next to 1M rows not due", "<= 1.5x", r, r <= 1.5, "x"))
+    for g in results.rss:
+        out.append(
+            _goal(
+                f"4. worker RSS over {g.rows:,} deliveries",
+                "<= +10 %",
+                g.growth_pct,
+                g.growth_pct <= 10,
+                " %",
+            )
+        )
+    for bp in results.backpressure:
+        out.append(
+            _goal(
+                f"4. backpressure, {bp.rows:,} rows: delivered twice",
+                "0",
+                bp.twice,
+                bp.twice == 0,
+                "",
+            )
+        )
+    return out
+
+
+def _goal(
+    goal: str, target: str, value: float | None, met: bool | None, unit: str
+) -> dict[str, Any]:
+    shown = (
+        "-"
+        if value is None
+        else (f"{value:.2f}{unit}" if unit in ("x", " %") else f"{value:g}{unit}")
+    )
+    return {"goal": goal, "target": target, "measured": shown, "met": met}
+
+
+def goals_table(results: Results) -> str:
+    rows = [{**g, "met": {True: "yes", False: "NO", None: "-"}[g["met"]]} for g in goals(results)]
+    return table(rows, ["goal", "target", "measured", "met"])
 
 
 def _x(value: float | None) -> str:
@@ -325,6 +400,8 @@ def render(results: Results) -> str:
     parts: list[str] = []
     if results.machine:
         parts += ["machine:", machine_lines(results.machine), ""]
+    if any(g["met"] is not None for g in goals(results)):
+        parts += ["goals (issue 14), this run:", goals_table(results), ""]
     if results.throughput:
         parts += ["throughput (no-op deliveries, first enqueue to last run):"]
         parts += [throughput_table(results.throughput), ""]

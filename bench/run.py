@@ -46,8 +46,12 @@ from bench import procs as P
 from bench import rss as rssmod
 from bench.claimcost import claim_cost
 from bench.report import (
-    BATCHED,
+    CAPPED,
+    CAPPED_1,
+    DEFAULT,
     PER_ROW,
+    UNCAPPED,
+    UNCAPPED_1,
     Backpressure,
     ClaimCostRow,
     Results,
@@ -254,10 +258,15 @@ def outbox_systems(o: Options, logdir: Path) -> tuple[list[P.System], P.Proc, P.
     both = [worker, beat]
     systems = [
         P.System("celery delay()", "celery", [worker], plain, plain_paced, "no outbox"),
-        P.System(PER_ROW, "outbox", both, outbox_producer("bench.noop"), outbox_paced),
-        P.System("100 actors, uncapped", "outbox", both, outbox_producer("bench.uncapped", 100)),
-        P.System("100 actors, cap 4", "outbox", both, outbox_producer("bench.capped", 100)),
-        P.System(BATCHED, "outbox", both, outbox_producer("bench.batched")),
+        # due at once: one transaction of every row, then the claims find the backlog
+        P.System(
+            DEFAULT, "outbox", both, outbox_producer("bench.default", tx_rows=o.rows), outbox_paced
+        ),
+        P.System(PER_ROW, "outbox", both, outbox_producer("bench.single", tx_rows=o.rows)),
+        P.System(UNCAPPED, "outbox", both, outbox_producer("bench.uncapped", 100, o.rows)),
+        P.System(CAPPED, "outbox", both, outbox_producer("bench.capped", 100, o.rows)),
+        P.System(UNCAPPED_1, "outbox", both, outbox_producer("bench.uncapped1", 100, o.rows)),
+        P.System(CAPPED_1, "outbox", both, outbox_producer("bench.capped1", 100, o.rows)),
     ]
     return systems, worker, beat
 
@@ -286,7 +295,7 @@ def rss_growth(o: Options, worker: P.Proc, beat: P.Proc, r: redis.Redis, logdir:
     """All rows are enqueued first, then one worker delivers them; VmRSS of the worker's
     processes (main and pool children; beat is not the worker) after ``rss_warmup``
     deliveries and after the last."""
-    command = "bench.noop" if o.rss_family == "per-row" else "bench.batched"
+    command = "bench.single" if o.rss_family == "per-row" else "bench.batched"
     P.say(f"rss: enqueueing {o.rss_rows:,} rows ({o.rss_family} family)")
     P.clean_redis(r)
     r.set(P.COUNTER, 0)

@@ -9,14 +9,17 @@ import pytest
 
 from bench import rss
 from bench.report import (
-    BATCHED,
+    CAPPED,
+    DEFAULT,
     PER_ROW,
+    UNCAPPED,
     Backpressure,
     Latency,
     Results,
     RssGrowth,
     RssSample,
     Throughput,
+    goals,
     growth_pct,
     peer_ratios,
     peer_table,
@@ -40,7 +43,9 @@ def figures() -> list[Throughput]:
     return [
         Throughput("celery delay()", "celery", 1000, 2.0),
         Throughput(PER_ROW, "outbox", 1000, 1.0, 0.1),
-        Throughput(BATCHED, "outbox", 1000, 0.25),
+        Throughput(DEFAULT, "outbox", 1000, 0.25),
+        Throughput(UNCAPPED, "outbox", 1000, 0.5),
+        Throughput(CAPPED, "outbox", 1000, 0.6),
         Throughput("procrastinate", "procrastinate", 1000, 4.0),
         Throughput("django-celery-outbox", "django-celery-outbox", 1000, 1.25),
     ]
@@ -64,27 +69,44 @@ def test_throughput_table_shows_absolute_figures_and_ratio_to_plain_celery() -> 
     assert baseline.rstrip().endswith("1.00x")
 
 
-def test_peer_ratios_compare_per_row_and_batched_with_each_peer() -> None:
+def test_peer_ratios_compare_the_default_family_and_batch_1_with_each_peer() -> None:
     by_peer = {r["peer"]: r for r in peer_ratios(figures())}
     assert set(by_peer) == {"procrastinate", "django-celery-outbox"}
     p = by_peer["procrastinate"]
-    assert p["per-row ours/theirs"] == 4.0  # 1000/s vs 250/s
-    assert p["batched ours/theirs"] == 16.0
-    assert p["meets"] is True  # target 3x
+    assert p["batch=1 ours/theirs"] == 4.0  # 1000/s vs 250/s
+    assert p["default ours/theirs"] == 16.0
     d = by_peer["django-celery-outbox"]
-    assert d["per-row ours/theirs"] == 1.25  # 1000/s vs 800/s
-    assert d["meets"] is False  # target 1.5x
+    assert d["batch=1 ours/theirs"] == 1.25  # 1000/s vs 800/s
     text = peer_table(figures())
-    assert "4.00x" in text
-    assert "NO" in text
-    assert ">= 1.5x" in text
+    assert "4.00x" in text and "16.00x" in text
+
+
+def test_goals_say_target_measured_and_met_and_leave_what_did_not_run_blank() -> None:
+    results = Results(
+        throughput=figures(),
+        latency=[
+            Latency(DEFAULT, "outbox", 50, 500, 3.0, 9.0, 12.0),
+            Latency("procrastinate", "procrastinate", 50, 500, 4.0, 8.0, 9.0),
+        ],
+    )
+    by_goal = {g["goal"]: g for g in goals(results)}
+    plain = by_goal["1. default family vs plain Celery delay()"]
+    assert (plain["measured"], plain["met"]) == ("8.00x", True)  # 4000/s vs 500/s
+    dco = by_goal["2. batch=1 vs django-celery-outbox"]
+    assert (dco["measured"], dco["met"]) == ("1.25x", True)
+    capped = by_goal["2. cap 4 vs uncapped (100 actors)"]
+    assert (capped["measured"], capped["met"]) == ("0.83x", True)
+    assert by_goal["3. commit to start p50 at 50 rows/s"]["met"] is True
+    assert by_goal["3. commit to start p99 at 50 rows/s"]["met"] is False  # 9 > 8 ms
+    assert by_goal["3. commit to start p99 at 200 rows/s"]["met"] is None  # not run
+    assert "goals (issue 14)" in render(results)
 
 
 def test_peer_ratios_without_our_figures_are_blank() -> None:
     only_peer = [Throughput("procrastinate", "procrastinate", 10, 1.0)]
     (row,) = peer_ratios(only_peer)
-    assert row["per-row ours/theirs"] is None
-    assert row["meets"] is None
+    assert row["batch=1 ours/theirs"] is None
+    assert row["default ours/theirs"] is None
     assert "-" in peer_table(only_peer)
 
 
