@@ -294,12 +294,17 @@ class Dispatcher:
         return cap_rule(family, command, self.registry.cap_override(command), actor)
 
     def request_claim(self, family: str) -> None:
-        """Ask for a claim pass of ``family`` now, through the claim queue (a slot freed; the
-        release script sends at most one request per 100 ms window)."""
+        """Ask for a claim pass of ``family`` now (a slot freed; the release script asks at
+        most once per 100 ms window): a NOTIFY to the commit listener, which claims in its own
+        thread at once, or with ``listen=False`` a claim task on the claim queue, which waits
+        for a free pool process behind the deliveries."""
         try:
-            self._claim_task.apply_async(
-                ([family],), queue=self.claim_queue, expires=self.claim_interval
-            )
+            if self.listen:
+                self.store.request_claim(family)
+            else:
+                self._claim_task.apply_async(
+                    ([family],), queue=self.claim_queue, expires=self.claim_interval
+                )
         except Exception as exc:  # the beat entry claims anyway; a request only speeds it up
             message = f"could not send a claim request: {exc!r}"
             event(log, logging.WARNING, "claim_request_failed", message)

@@ -169,19 +169,26 @@ class Store:
     # -- claim ----------------------------------------------------------------------------
 
     def claim(self, family: Family, batch: int) -> ClaimResult:
-        """Lease up to ``batch`` due rows of a family, within its free in-flight capacity."""
+        """Lease up to ``batch`` due rows of a family, within its free in-flight capacity.
+
+        Three round trips, pipelined: begin, lock and count; pick; lease and commit."""
         with (
             translated(f"claim of family {family.name}"),
             self.connection() as conn,
-            conn.transaction(),
+            conn.pipeline(),
         ):
-            limit = self._claim_limit(conn, family, batch)
-            if limit == 0:
-                return ClaimResult(family.name, [], [], 0)
-            picked = conn.execute(
-                self.q["claim_pick_due"], {"family": family.name, "limit": limit}
-            ).fetchall()
-            rows = self._lease_rows(conn, family, [int(r[0]) for r in picked], [])
+            with conn.transaction():
+                limit = self._claim_limit(conn, family, batch)
+                if limit == 0:
+                    return ClaimResult(family.name, [], [], 0)
+                picked = conn.execute(
+                    self.q["claim_pick_due"], {"family": family.name, "limit": limit}
+                ).fetchall()
+                if not picked:
+                    return ClaimResult(family.name, [], [], limit)
+                params = {**_lease_params(family), "ids": [int(r[0]) for r in picked], "tokens": []}
+                leased = conn.execute(self.q["claim_lease"], params)
+            rows = leased.fetchall()  # after the commit was queued: one round trip for both
         return _claim_result(family.name, rows, limit)
 
     def _lease_rows(
@@ -319,12 +326,16 @@ class Store:
         )
 
     def settle_many(self, kind: SettleKind, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
-        """Settle a batch's successes (``delete`` or ``done``); returns the ids settled."""
+        """Settle delivered rows (``delete`` or ``done``) handed to the deferred settles;
+        returns the ids settled."""
         if not pairs:
             return set()
         params = {"ids": [i for i, _ in pairs], "tokens": [t for _, t in pairs]}
-        with translated(f"settle ({kind})"), self.connection() as conn:
-            rows = conn.execute(self.q[BATCH_QUERY[kind]], params).fetchall()
+        with translated(f"settle ({kind})"), self.connection() as conn, conn.pipeline():
+            with conn.transaction():  # one round trip: begin, no flush, settle, commit
+                conn.execute(self.q["settle_without_flush"])
+                cur = conn.execute(self.q[BATCH_QUERY[kind]], params)
+            rows = cur.fetchall()
         return {int(r[0]) for r in rows}
 
     def why_stale(self, row_id: int, token: UUID) -> str:
@@ -607,6 +618,11 @@ class Store:
                     {"family": fam, "actors": actors, "parked_blocks": ordered[fam]},
                 )
         return done
+
+    def request_claim(self, family: str) -> None:
+        """NOTIFY the commit listener, which claims the family at once."""
+        with translated("claim request"), self.connection() as conn:
+            conn.execute(self.q["claim_request"], {"channel": self.channel, "family": family})
 
     def sweep_heads(self, family: str, parked_blocks: bool) -> list[int]:
         """Give every headless actor of an ordered family its next row (crash repair)."""

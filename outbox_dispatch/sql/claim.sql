@@ -7,8 +7,13 @@
 -- Also turns bitmap scans off for the claim's transaction: a bitmap scan cannot skip the dead
 -- index entries that settled rows leave behind until vacuum (seen: 66k entries, 4.5 ms per
 -- in-flight count), while a plain index scan marks them dead once and then passes them by.
+-- The claim commits without waiting for its WAL flush (synchronous_commit off, for this
+-- transaction only): a claim lost in a Postgres crash leaves its rows as they were, so its
+-- messages carry tokens no row has and are dropped as stale; and the delivery start that
+-- needs the claim is itself a synchronous commit, which flushes the claim's WAL with its own.
 SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
-       set_config('enable_bitmapscan', 'off', true);
+       set_config('enable_bitmapscan', 'off', true),
+       set_config('synchronous_commit', 'off', true);
 
 -- name: claim_in_flight
 -- Claimed rows whose lease still runs. A row whose lease ran out is not in flight, started or
@@ -122,3 +127,7 @@ FROM (
 ) p
 WHERE o.id = p.id
 RETURNING o.id;
+
+-- name: claim_request
+-- Ask the commit listener for a claim of a family now (a cap slot freed), as a commit does.
+SELECT pg_notify(%(channel)s, %(family)s);

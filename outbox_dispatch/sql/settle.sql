@@ -65,3 +65,9 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS p(id, token)
 WHERE o.id = p.id AND o.claim_token = p.token
   AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id)
 RETURNING o.id;
+
+-- name: settle_without_flush
+-- Deferred settles of delivered rows commit without waiting for their WAL flush: one lost in
+-- a Postgres crash leaves its rows started, and they run again after their lease with
+-- maybe_applied, as after a worker killed before its settle. Nothing else settles this way.
+SELECT set_config('synchronous_commit', 'off', true);
