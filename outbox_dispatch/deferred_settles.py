@@ -8,8 +8,10 @@ or the claim was lost) goes back to the one-row path, which records it as cancel
 
 What this costs: a worker killed between a handler's success and the flush (milliseconds)
 leaves the row started, so it runs again after its lease with ``maybe_applied`` set, the same
-outcome as a kill just before the settle. Only rows whose settle frees nothing are deferred:
-no cap slot, no ordered line, no transactional handler (its settle is its commit).
+outcome as a kill just before the settle. A capped row's slot is given back after the
+statement that settled it committed, as on the one-row path. Ordered rows (their settle
+promotes the actor's next row in the same transaction) and transactional handlers (their
+settle is their commit) are not deferred.
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ WINDOW = 0.002  # seconds the thread waits for more settles after the first
 
 
 class DeferredSettles:
-    def __init__(self, store: Store, refused: Callable[[SettleKind, Started], None]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        refused: Callable[[SettleKind, Started], None],
+        settled: Callable[[Started], None] = lambda started: None,
+    ) -> None:
         self.store = store
         self.refused = refused  # the one-row settle, for rows the batch statement skipped
+        self.settled = settled  # after the commit: give back the row's cap slot
         self._pending: list[tuple[SettleKind, Started]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -88,5 +96,7 @@ class DeferredSettles:
                 )
                 continue
             for s in rows:
-                if s.id not in settled:
+                if s.id in settled:
+                    self.settled(s)
+                else:
                     self.refused(kind, s)

@@ -121,7 +121,7 @@ class Delivery:
         self.rand = rand
         self.run_times = run_times
         self.heartbeats = Heartbeats(store)
-        self.deferred = DeferredSettles(store, self._settle_refused)
+        self.deferred = DeferredSettles(store, self._settle_refused, self._release_settled)
 
     def deliver_message(
         self, args: tuple[Any, ...], *, family_hint: str | None = None, defer: bool = False
@@ -266,8 +266,9 @@ class Delivery:
         settle = after_return(family, started.attempts, self.rand(), running.stop_reason())
         if not settle.delivers:
             return self._finish(started, family, settle, elapsed)
-        if defer and not family.ordered and not self._capped(started, family):
-            # nothing waits on this settle (no cap slot, no ordered line): off the hot path
+        if defer and not family.ordered:
+            # off the hot path: nothing waits on this settle but the row's cap slot, which is
+            # given back once the settle committed (no ordered line moves on it)
             self.deferred.add(settle.kind, started)
             event(
                 log,
@@ -278,6 +279,9 @@ class Delivery:
             )
             return Result(Outcome.DELIVERED, started.id)
         return self._finish(started, family, settle, elapsed)
+
+    def _release_settled(self, started: Started) -> None:
+        self._release(started, self.families.get(started.family))
 
     def _settle_refused(self, kind: SettleKind, started: Started) -> None:
         """A deferred settle the batch statement skipped: a cancel request arrived, or the
