@@ -234,6 +234,12 @@ class Claimer:
         report = ClaimReport()
         deadline = time.monotonic() + budget
         pending = [f for f in self.families.values() if only is None or f.name in only]
+        # Capped families are always claimed (a freed slot makes a waiting row due in the
+        # claim itself); the others only when a row of theirs is due.
+        plain = [f.name for f in pending if not self.is_capped(f)]
+        if len(plain) > 1:
+            due = self.store.families_due(plain)
+            pending = [f for f in pending if self.is_capped(f) or f.name in due]
         # each pass starts with the next family, so no family always claims (and publishes)
         # first while the pass's time budget lasts
         self._passes += 1

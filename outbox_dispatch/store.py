@@ -619,6 +619,14 @@ class Store:
                 )
         return done
 
+    def families_due(self, families: Sequence[str]) -> set[str]:
+        """The families among ``families`` that have a due row now."""
+        if not families:
+            return set()
+        with translated("claim pass (which families have due rows)"), self.connection() as conn:
+            rows = conn.execute(self.q["claim_families_due"], {"families": list(families)})
+            return {str(r[0]) for r in rows.fetchall()}
+
     def request_claim(self, family: str) -> None:
         """NOTIFY the commit listener, which claims the family at once."""
         with translated("claim request"), self.connection() as conn:

@@ -131,3 +131,13 @@ RETURNING o.id;
 -- name: claim_request
 -- Ask the commit listener for a claim of a family now (a cap slot freed), as a commit does.
 SELECT pg_notify(%(channel)s, %(family)s);
+
+-- name: claim_families_due
+-- Which of the given families have a due row: one probe of the outbox_due index each, so a
+-- claim pass over many idle families costs one round trip, not a claim transaction each.
+SELECT f FROM unnest(%(families)s::text[]) AS f
+WHERE EXISTS (
+    SELECT 1 FROM __SCHEMA__.outbox
+    WHERE family = f AND due_at <= now()
+      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+);
