@@ -230,10 +230,8 @@ def test_postgres_down_at_claim_fails_the_pass_clearly_and_claims_nothing(
         row_id = d.enqueue(conn, cmd, {})
     pg_proxy.cut()
     published: list[Claimed] = []
-    with pytest.raises(
-        DatabaseError,
-        match=r"^claim (of family \w+|pass \(which families have due rows\)) failed: .*server closed",
-    ):
+    failed = r"^claim (of family \w+|pass \(which families have due rows\)) failed: "
+    with pytest.raises(DatabaseError, match=failed + ".*server closed"):
         d.claimer.run(lambda fam, rows, size: published.extend(rows))
     assert published == []
     pg_proxy.restore()
