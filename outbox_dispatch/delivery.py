@@ -162,10 +162,16 @@ class Delivery:
         # row past its own hard limit keeps its lease until then, when the pool process is
         # killed, so no second copy of it can start while it still runs.
         until = None if hard is None else time.monotonic() + hard * len(pairs)
-        return [
+        results = [
             self.deliver(row_id, token, family_hint=family_hint, defer=defer, renew_until=until)
             for row_id, token in pairs
         ]
+        if defer:
+            # settle the message's successes before the next message: a handler of the next
+            # one that kills the process must not take finished rows with it (they would run
+            # again, flagged maybe_applied); one statement per message, not per row
+            self.deferred.flush()
+        return results
 
     def _start_checked(self, started: Started, family: Family | None) -> Result:
         """The checks before a handler runs, for rows that fail them."""
