@@ -485,7 +485,7 @@ def run(o: Options) -> Results:
     results = Results(machine=describe_machine(r, bench.DATABASE_URL))
     results.settings = {
         "scenarios": list(o.scenarios),
-        "worker": f"celery worker -P {o.pool} -c {o.concurrency}, prefetch 4 (Celery's default)",
+        "worker": f"celery worker -P {o.pool} -c {o.concurrency}, prefetch 1",
         "rows": o.rows,
         "paces": list(o.paces),
         "latency_seconds": o.latency_seconds,

@@ -34,11 +34,9 @@ def write_settings(app: Celery) -> None:
     on_configured(app, lambda: _soft_defaults(app))
 
 
-# Our defaults where the user kept Celery's: no startup-retry deprecation warning. Prefetch stays
-# Celery's (4 per process): with acks_late, one message per process left the consumer waiting
-# for an ack before it fetched the next one (commit to start p90 60 ms at 200 rows/s, 4 ms with
-# Celery's default). A worker of long handlers sets worker_prefetch_multiplier=1 itself.
-SOFT_DEFAULTS = {"broker_connection_retry_on_startup": True}
+# Our defaults where the user kept Celery's: one message reserved per pool process (a prefetched
+# message waits while its lease runs), and no startup-retry deprecation warning.
+SOFT_DEFAULTS = {"worker_prefetch_multiplier": 1, "broker_connection_retry_on_startup": True}
 
 
 def _soft_defaults(app: Celery) -> None:

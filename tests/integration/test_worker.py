@@ -91,7 +91,7 @@ def test_app_wiring(dispatcher: Dispatcher, celery_app: Celery) -> None:
     conf = celery_app.conf
     assert conf.accept_content == ["json"]
     assert conf.task_serializer == "json"
-    assert conf.worker_prefetch_multiplier == 4  # Celery's own: we leave it
+    assert conf.worker_prefetch_multiplier == 1
     names = [q.name for q in conf.task_queues]
     assert names[0] == "celery"  # the default queue stays
     assert {"outbox.claim", "outbox.intent", "outbox.job", "outbox.quick"} <= set(names)

@@ -112,9 +112,9 @@ def test_users_own_celery_config_wins_over_our_defaults() -> None:
     Dispatcher(app, database_url="postgresql://nobody@127.0.0.1:1/none")
 
     class Config:
-        broker_connection_retry_on_startup = False
+        worker_prefetch_multiplier = 3
         accept_content = ["json", "pickle"]
 
     app.config_from_object(Config)
-    assert app.conf.broker_connection_retry_on_startup is False  # a default: the user's stands
+    assert app.conf.worker_prefetch_multiplier == 3  # a default: the user's value stands
     assert app.conf.accept_content == ["json"]  # enforced: nothing is unpickled
