@@ -290,8 +290,12 @@ class Claimer:
                         full.append(family)  # a whole batch: more rows may be due right now
                     else:  # its in-flight limit or broker room held it back
                         report.saturated.add(family.name)
-                # limit 0: every slot is taken by running rows; settles free them slowly, and
-                # beat claims again (polling the count would cost a scan each time)
+                elif result.limit == 0:
+                    # every in-flight slot is taken: the listener tries again shortly (one
+                    # bounded count along the outbox_claimed index), so rows that settle free
+                    # room within a refill interval, not at beat's next pass (the backpressure
+                    # scenario idled half its time waiting for beat)
+                    report.saturated.add(family.name)
             pending = full
             if time.monotonic() >= deadline:
                 report.saturated.update(f.name for f in pending)  # still work: top up later

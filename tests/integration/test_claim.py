@@ -95,9 +95,9 @@ def test_claim_never_exceeds_max_in_flight(
 def test_a_pass_held_back_by_max_in_flight_claims_once_and_says_so(
     dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
 ) -> None:
-    """A family at its in-flight limit is reported saturated (the listener tops it up later)
-    instead of the pass spinning on the few rows each settle frees; only a claim that the
-    batch size held back is repeated within the pass."""
+    """A family at its in-flight limit is reported saturated (the listener tops it up every
+    refill interval) instead of the pass spinning on the few rows each settle frees; only a
+    claim that the batch size held back is repeated within the pass."""
     _quick_rows_due(dispatcher, commands, database_url, 300)
     family = dispatcher.families["quick"].with_policy(max_in_flight=40)
     claimer = Claimer(dispatcher.store, {"quick": family}, batch=100)
@@ -112,9 +112,10 @@ def test_a_pass_held_back_by_max_in_flight_claims_once_and_says_so(
         assert dispatcher.store.settle(SettleKind.DELETE, c.id, c.token)
     report = run()
     assert (report.claimed, report.rounds, report.saturated) == ({"quick": 3}, 1, {"quick"})
-    # every slot taken and nothing settled: no claim, and no polling either (beat comes back)
+    # every slot taken and nothing settled: no claim, and saturated, so that the listener
+    # tries again within its refill interval instead of leaving the family to beat's next pass
     report = run()
-    assert (report.claimed, report.saturated) == ({}, set())
+    assert (report.claimed, report.rounds, report.saturated) == ({}, 1, {"quick"})
     # a full broker queue: saturated without asking Postgres (the listener polls its length)
     claimer.queued = lambda f: 40
     report = run()
