@@ -24,13 +24,14 @@ from django.core.management.base import CommandError, SystemCheckError
 from django.db import connection, connections, transaction
 from django.test.utils import override_settings
 
-from outbox_dispatch import Dispatcher, Message
+from outbox_dispatch import ConfigurationError, Dispatcher, Message
 from outbox_dispatch.contrib.django import (
     NotInTransaction,
     enqueue,
     enqueue_many,
     get_dispatcher,
 )
+from outbox_dispatch.contrib.django import database_url as database_url_of
 from outbox_dispatch.contrib.django.checks import database_problems
 from outbox_dispatch.logs import mask_dsn
 from outbox_dispatch.sqlfiles import migrations
@@ -361,3 +362,44 @@ def test_database_check_wants_the_dispatchers_postgresql_on_psycopg_3(
 
     monkeypatch.setattr(psycopg_any, "is_psycopg3", False)
     assert ids({"default": pg}) == ["outbox_dispatch.W003"]
+
+
+def test_a_dispatcher_built_from_a_django_alias_writes_with_the_models_and_delivers(
+    orders: Any, database_url: str, redis_url: str, schema: str, key_prefix: str
+) -> None:
+    """``database_url("default")`` gives the Dispatcher Django's own database (the test
+    project's OPTIONS included), so the URL is written once; bad aliases are refused."""
+    url = database_url_of("default")
+    got = psycopg.conninfo.conninfo_to_dict(url)
+    want = psycopg.conninfo.conninfo_to_dict(database_url)
+    assert (got["dbname"], got.get("host"), got.get("port")) == (
+        want["dbname"],
+        want.get("host"),
+        want.get("port"),
+    )
+    assert got["options"] == f"-c search_path={schema}"  # Django's OPTIONS came along
+    app = Celery("outbox_tests_django_alias", broker=redis_url, set_as_current=False)
+    app.conf.broker_transport_options = {"global_keyprefix": key_prefix}
+    d = Dispatcher(app, database_url=url, schema=schema, queue_prefix="djalias", listen=False)
+    ran: list[int] = []
+    d.handler("dj.alias", family="intent")(lambda ctx, payload: ran.append(payload["order"]))
+    try:
+        with transaction.atomic():
+            order = orders.objects.create(customer="grace", total_cents=100)
+            d.enqueue(connection, "dj.alias", {"order": order.pk})
+        with transaction.atomic():
+            orders.objects.create(customer="rolled back", total_cents=1)
+            d.enqueue(connection, "dj.alias", {"order": -1})
+            transaction.set_rollback(True)
+        assert d.drain(timeout=10).delivered == 1
+        assert ran == [order.pk]
+    finally:
+        d.close()
+    with pytest.raises(
+        ConfigurationError, match=r"no database 'replica' in DATABASES \(it has: default\)"
+    ):
+        database_url_of("replica")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(settings.DATABASES, "lite", {"ENGINE": "django.db.backends.sqlite3"})
+        with pytest.raises(ConfigurationError, match="the outbox lives in PostgreSQL"):
+            database_url_of("lite")
