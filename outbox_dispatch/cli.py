@@ -22,6 +22,7 @@ from .logs import mask_dsn
 from .migrations import migrate
 from .tables import table
 
+CONNECT_TIMEOUT = 5  # seconds the CLI waits for the database before saying why it cannot
 DB_ENV = "OUTBOX_DATABASE_URL"
 SCHEMA_ENV = "OUTBOX_SCHEMA"
 
@@ -30,6 +31,46 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
     return str(value)
+
+
+def _rows_text(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def _reachable(dispatcher: Any) -> None:
+    """Fail in seconds with the server's own words when the database cannot be reached,
+    before a pool waits its full timeout and warns page after page."""
+    import psycopg
+
+    try:
+        psycopg.connect(dispatcher.database_url, connect_timeout=CONNECT_TIMEOUT).close()
+    except psycopg.Error as exc:
+        reason = mask_dsn(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+        raise OutboxError(
+            f"cannot reach the outbox database {mask_dsn(dispatcher.database_url)}: {reason}"
+        ) from exc
+
+
+def _dispatcher(args: argparse.Namespace) -> Any:
+    dispatcher, _ = load_dispatcher(args.app)
+    _reachable(dispatcher)
+    return dispatcher
+
+
+def _why_not(dispatcher: Any, row_id: int, action: str) -> str:
+    """Why ``action`` matched nothing for a row, in the operator's terms."""
+    state = dispatcher.store.row_state(row_id)
+    if state is None:
+        return f"row {row_id} does not exist (delivered rows are deleted unless kept by retention)"
+    if state == "parked":
+        if action == "cancel":
+            return f"row {row_id} is parked: parked rows are purged, not cancelled"
+        return f"row {row_id} is parked"
+    if state == "cancelled":
+        return f"row {row_id} is already cancelled"
+    if state == "done":
+        return f"row {row_id} was delivered (kept by its family's retention)"
+    return f"row {row_id} is not parked: only parked rows can be retried or purged"
 
 
 def _emit(args: argparse.Namespace, data: Any, rendered: str) -> None:
@@ -78,17 +119,25 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    dispatcher, _ = load_dispatcher(args.app)
-    rows = [dataclasses.asdict(s) for s in dispatcher.status()]
-    columns = ["family", "due", "scheduled", "in_flight", "parked", "cancelled", "done"]
+    dispatcher = _dispatcher(args)
+    queued = dispatcher.queue_lengths()
+    found = [{**dataclasses.asdict(s), "queued": queued.get(s.family)} for s in dispatcher.status()]
+    columns = ["family", "due", "scheduled", "in_flight", "queued", "parked", "cancelled", "done"]
     columns += ["maybe_applied", "waiting", "blocked", "actors_at_cap"]
-    shown = [{**r, "oldest_due_age": f"{r['oldest_due_age']:.1f}s"} for r in rows]
-    _emit(args, rows, table(shown, [*columns, "oldest_due_age"]))
+    shown = [
+        {
+            **r,
+            "queued": "-" if r["queued"] is None else r["queued"],
+            "oldest_due_age": f"{r['oldest_due_age']:.1f}s",
+        }
+        for r in found
+    ]
+    _emit(args, found, table(shown, [*columns, "oldest_due_age"]))
     return 0
 
 
 def cmd_parked(args: argparse.Namespace) -> int:
-    dispatcher, _ = load_dispatcher(args.app)
+    dispatcher = _dispatcher(args)
     if args.parked_cmd == "list":
         rows = dispatcher.store.parked_list(family=args.family, limit=args.limit)
         columns = ["id", "family", "command", "actor", "attempts", "maybe_applied", "parked_at"]
@@ -105,15 +154,16 @@ def cmd_parked(args: argparse.Namespace) -> int:
         done = dispatcher.parked_purge(ids=ids, family=args.family)
         verb = "deleted"
     missing = sorted(set(ids or []) - set(done))
-    note = f"; not parked or not found: {missing}" if missing else ""
-    _emit(args, {"ids": done, "missing": missing}, f"{len(done)} parked rows {verb}{note}")
-    return 0
+    reasons = [_why_not(dispatcher, i, args.parked_cmd) for i in missing]
+    text = "; ".join([f"{_rows_text(len(done))} {verb}", *reasons])
+    _emit(args, {"ids": done, "missing": missing, "reasons": reasons}, text)
+    return 1 if missing or not done else 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     import psycopg
 
-    dispatcher, _ = load_dispatcher(args.app)
+    dispatcher = _dispatcher(args)
     if not args.ids and not args.dedupe_key and not args.actor:
         raise OutboxError("cancel: name row ids, --dedupe-key, or --actor (with --command)")
     cancelled: list[int] = []
@@ -131,22 +181,27 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             )
             cancelled += result.cancelled
             requested += result.requested
-    text = f"{len(cancelled)} rows cancelled"
+    text = f"{_rows_text(len(cancelled))} cancelled"
     if requested:
-        text += f"; {len(requested)} running rows asked to stop: {requested}"
-    _emit(args, {"cancelled": cancelled, "requested": requested}, text)
-    return 0
+        text += f"; {_rows_text(len(requested))} running asked to stop: {requested}"
+    matched = set(cancelled) | set(requested)
+    reasons = [_why_not(dispatcher, i, "cancel") for i in args.ids if i not in matched]
+    if not matched and not args.ids:
+        reasons.append("no pending or running row matched")
+    text = "; ".join([text, *reasons])
+    _emit(args, {"cancelled": cancelled, "requested": requested, "reasons": reasons}, text)
+    return 1 if reasons else 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    dispatcher, _ = load_dispatcher(args.app)
+    dispatcher = _dispatcher(args)
 
     def progress(family: str, deleted: int) -> None:
         if not args.json:
-            print(f"prune: {family}: {deleted} rows deleted so far", file=sys.stderr)
+            print(f"prune: {family}: {_rows_text(deleted)} deleted so far", file=sys.stderr)
 
     total = dispatcher.prune(batch=args.batch, max_batches=1_000_000, progress=progress)
-    _emit(args, total, f"pruned {sum(total.values())} settled rows {total or ''}".strip())
+    _emit(args, total, f"pruned {_rows_text(sum(total.values()))} {total or ''}".strip())
     return 0
 
 
@@ -172,7 +227,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
     from .metrics import serve
 
-    dispatcher, _ = load_dispatcher(args.app)
+    dispatcher = _dispatcher(args)
     server = serve(dispatcher, args.port, args.addr)
     print(f"serving http://{args.addr}:{args.port}/metrics (Ctrl-C stops)", flush=True)
     try:
@@ -208,13 +263,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "bench.run", *args.bench_args, *extra])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outbox-dispatch", description=__doc__)
+def _common(parser: argparse.ArgumentParser, default: Any) -> None:
+    """--app, --json and --log-level, before the subcommand or after it (``status --json``).
+    After it they default to SUPPRESS, so a value given before is not overwritten."""
+
+    def value(v: Any) -> Any:
+        return argparse.SUPPRESS if default is argparse.SUPPRESS else v
+
     parser.add_argument(
-        "--app", "-A", help="module:attribute of your Dispatcher (or env OUTBOX_DISPATCH_APP)"
+        "--app",
+        "-A",
+        default=value(None),
+        help="module:attribute of your Dispatcher (or env OUTBOX_DISPATCH_APP)",
     )
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--json", action="store_true", default=value(False), help="machine-readable output"
+    )
+    parser.add_argument("--log-level", default=value("WARNING"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every subcommand (and parked's own) takes the common options too."""
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        add = action.add_parser
+
+        def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+            p: argparse.ArgumentParser = add(name, **kw)
+            if kw.get("add_help", True) and name not in ("worker", "beat"):
+                _common(p, argparse.SUPPRESS)
+            return p
+
+        setattr(action, "add_parser", add_parser)  # noqa: B010 (wraps the bound method)
+        return action
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="outbox-dispatch", description=__doc__)
+    _common(parser, None)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("migrate", help="create or upgrade the outbox schema (safe to repeat)")
@@ -337,7 +424,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader (``| head``) stopped reading: end quietly, as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except OutboxError as exc:
         print(f"outbox-dispatch: error: {mask_dsn(str(exc))}", file=sys.stderr)
         return 2

@@ -627,6 +627,15 @@ class Store:
             rows = conn.execute(self.q["claim_families_due"], {"families": list(families)})
             return {str(r[0]) for r in rows.fetchall()}
 
+    def row_state(self, row_id: int) -> str | None:
+        """``parked``, ``cancelled``, ``done`` or ``live``; None when there is no such row."""
+        with translated("row state"), self.connection() as conn:
+            row = conn.execute(self.q["status_row_state"], {"id": row_id}).fetchone()
+        if row is None:
+            return None
+        parked, cancelled, done = row
+        return "parked" if parked else "cancelled" if cancelled else "done" if done else "live"
+
     def request_claim(self, family: str) -> None:
         """NOTIFY the commit listener, which claims the family at once."""
         with translated("claim request"), self.connection() as conn:

@@ -58,3 +58,8 @@ WHERE parked_at IS NOT NULL
   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
   AND (%(family)s::text IS NULL OR family = %(family)s)
 RETURNING id, family, actor;
+
+-- name: status_row_state
+-- Why an operation on a row matched nothing: what the row is now, if it exists.
+SELECT parked_at IS NOT NULL, cancelled_at IS NOT NULL, done_at IS NOT NULL
+FROM __SCHEMA__.outbox WHERE id = %(id)s;

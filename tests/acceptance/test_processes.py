@@ -138,8 +138,9 @@ def test_cli_migrate_status_and_parked(clean_acc: dict[str, str]) -> None:
     assert refused.returncode == 2 and "name row ids, or pass --all" in refused.stderr
 
     retried = cli(env, "parked", "retry", str(ids[0]), "999999")
-    assert retried.returncode == 0
-    assert "1 parked rows due again" in retried.stdout and "999999" in retried.stdout
+    assert retried.returncode == 1  # one of the two matched nothing: says why, exits non-zero
+    assert "1 row due again" in retried.stdout
+    assert "row 999999 does not exist" in retried.stdout
     purged = cli(env, "--json", "parked", "purge", "--all")
     assert json.loads(purged.stdout)["ids"] == [ids[1]]
     with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:

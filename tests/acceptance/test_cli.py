@@ -1,0 +1,105 @@
+"""The CLI as a shell user meets it: options after the subcommand, a database that cannot be
+reached, operations that matched nothing, output cut short by ``head``, and its wording."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import psycopg
+
+from .conftest import ROOT, cli
+
+
+def _insert(env: dict[str, str], sql_values: str) -> list[int]:
+    schema = env["OUTBOX_TEST_SCHEMA"]
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"], autocommit=True) as conn:
+        rows = conn.execute(
+            f'INSERT INTO "{schema}".outbox (family, command, payload, due_at, parked_at,'
+            f" attempts, last_error) VALUES {sql_values} RETURNING id"
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def test_options_work_after_the_subcommand_and_status_shows_queue_lengths(
+    clean_acc: dict[str, str],
+) -> None:
+    env = clean_acc
+    _insert(env, "('custom', 'acc.custom', '{}', now(), now(), 2, 'boom')")
+    status = cli(env, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    by_family = {s["family"]: s for s in json.loads(status.stdout)}
+    assert by_family["custom"]["parked"] == 1
+    assert by_family["intent"]["queued"] == 0  # the broker's queue length, per family
+    table = cli(env, "status").stdout.splitlines()
+    assert table[0].split()[:5] == ["family", "due", "scheduled", "in_flight", "queued"]
+    listed = cli(env, "parked", "list", "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout)[0]["last_error"] == "boom"
+    both = cli(env, "--json", "parked", "list", "--json", "--family", "custom")
+    assert both.returncode == 0 and len(json.loads(both.stdout)) == 1
+
+
+def test_an_unreachable_or_missing_database_fails_in_seconds_with_the_servers_words(
+    clean_acc: dict[str, str],
+) -> None:
+    down = {**clean_acc, "OUTBOX_TEST_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/nowhere"}
+    t0 = time.monotonic()
+    result = cli(down, "status")
+    assert time.monotonic() - t0 < 10
+    assert result.returncode == 2
+    assert "cannot reach the outbox database" in result.stderr
+    assert "refused" in result.stderr  # the connection's own error
+    assert len(result.stderr.strip().splitlines()) == 1  # one line, not a page of warnings
+    missing = {
+        **clean_acc,
+        "OUTBOX_TEST_DATABASE_URL": "postgresql://postgres@127.0.0.1:5432/od_no_such_db",
+    }
+    result = cli(missing, "parked", "list")
+    assert result.returncode == 2
+    assert 'database "od_no_such_db" does not exist' in result.stderr
+
+
+def test_operations_that_match_nothing_say_why_and_exit_non_zero(
+    clean_acc: dict[str, str],
+) -> None:
+    env = clean_acc
+    [parked] = _insert(env, "('custom', 'acc.custom', '{}', now(), now(), 2, 'boom')")
+    [live] = _insert(env, "('intent', 'acc.email', '{}', now() + interval '1 h', NULL, 0, NULL)")
+    cancel = cli(env, "cancel", str(parked))
+    assert cancel.returncode == 1
+    assert f"row {parked} is parked: parked rows are purged, not cancelled" in cancel.stdout
+    assert "0 rows cancelled" in cancel.stdout
+    gone = cli(env, "cancel", "987654321", "--json")
+    assert gone.returncode == 1
+    assert json.loads(gone.stdout)["reasons"] == [
+        "row 987654321 does not exist (delivered rows are deleted unless kept by retention)"
+    ]
+    retry = cli(env, "parked", "retry", str(live))
+    assert retry.returncode == 1
+    assert f"row {live} is not parked" in retry.stdout
+    one = cli(env, "cancel", str(live))
+    assert one.returncode == 0 and one.stdout.strip() == "1 row cancelled"
+    again = cli(env, "cancel", str(live))
+    assert again.returncode == 1 and f"row {live} is already cancelled" in again.stdout
+
+
+def test_json_cut_short_by_head_ends_quietly(clean_acc: dict[str, str]) -> None:
+    env = clean_acc
+    values = ", ".join(
+        "('custom', 'acc.custom', '{}', now(), now(), 2, '" + "x" * 200 + "')" for _ in range(2000)
+    )
+    _insert(env, values)
+    pipeline = subprocess.run(  # noqa: S602 (a fixed command line: the test is about the pipe)
+        f"{sys.executable} -m outbox_dispatch.cli parked list --json --limit 2000 | head -c 100",
+        shell=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert len(pipeline.stdout) == 100
+    assert pipeline.stderr == ""  # no BrokenPipeError traceback
