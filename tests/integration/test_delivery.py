@@ -90,7 +90,7 @@ def test_backoff_then_parked_with_error_then_retry_delivers(
     assert "provider down (attempt 3)" in capsys.readouterr().out
     fail["on"] = False
     assert cli_main(["--app", spec, "parked", "retry", str(row_id)]) == 0
-    assert "1 parked rows due again" in capsys.readouterr().out
+    assert "1 row due again" in capsys.readouterr().out
     assert dispatcher.drain(timeout=5).delivered == 1
     assert count_rows(database_url, dispatcher.schema) == 0
     assert [a for c, _, a, _ in effects.calls if c == cmd][-1] == 1
