@@ -83,8 +83,9 @@ class Claimer:
         self._passes = 0
         self._sizes: dict[str, int] = {}  # family -> rows per message of its last claim
 
-    def message_size(self, family: Family, rows: int) -> int:
-        """Rows per delivery message for a claim of ``rows`` (see policy.rows_per_message)."""
+    def message_size(self, family: Family, rows: int, queued: int | None = None) -> int:
+        """Rows per delivery message for a claim of ``rows`` (see policy.rows_per_message);
+        ``queued``: the family's queue length, when the caller has just read it."""
         if family.most_per_message <= 1 or rows <= 1:
             return 1
         stats = self.run_stats.of(family.name) if self.run_stats is not None else None
@@ -93,7 +94,7 @@ class Claimer:
             rows,
             most=family.most_per_message,
             consumers=consumers,
-            queued=self.queued(family),
+            queued=self.queued(family) if queued is None else queued,
             run_time=stats[1] if stats else None,
             lease=family.lease,
         )
@@ -250,9 +251,8 @@ class Claimer:
             report.rounds += 1
             full: list[Family] = []
             for family in pending:
-                room = broker_room(
-                    family.max_in_flight, self.queued(family), self._sizes.get(family.name, 1)
-                )
+                queued = self.queued(family)
+                room = broker_room(family.max_in_flight, queued, self._sizes.get(family.name, 1))
                 if room == 0:
                     report.saturated.add(family.name)
                     event(
@@ -279,7 +279,7 @@ class Claimer:
                     )
                     continue
                 if result.claimed:
-                    size = self.message_size(family, len(result.claimed))
+                    size = self.message_size(family, len(result.claimed), queued)
                     self._sizes[family.name] = size
                     publish(family, result.claimed, size)
                 _add(report.claimed, family.name, len(result.claimed))

@@ -263,54 +263,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "bench.run", *args.bench_args, *extra])
 
 
-def _common(parser: argparse.ArgumentParser, default: Any) -> None:
+def _common(parser: argparse.ArgumentParser, *, after: bool) -> None:
     """--app, --json and --log-level, before the subcommand or after it (``status --json``).
     After it they default to SUPPRESS, so a value given before is not overwritten."""
 
-    def value(v: Any) -> Any:
-        return argparse.SUPPRESS if default is argparse.SUPPRESS else v
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if after else value
 
     parser.add_argument(
         "--app",
         "-A",
-        default=value(None),
+        default=default(None),
         help="module:attribute of your Dispatcher (or env OUTBOX_DISPATCH_APP)",
     )
     parser.add_argument(
-        "--json", action="store_true", default=value(False), help="machine-readable output"
+        "--json", action="store_true", default=default(False), help="machine-readable output"
     )
-    parser.add_argument("--log-level", default=value("WARNING"))
-
-
-class _Parser(argparse.ArgumentParser):
-    """Every subcommand (and parked's own) takes the common options too."""
-
-    def add_subparsers(self, **kwargs: Any) -> Any:
-        action = super().add_subparsers(**kwargs)
-        add = action.add_parser
-
-        def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
-            p: argparse.ArgumentParser = add(name, **kw)
-            if kw.get("add_help", True) and name not in ("worker", "beat"):
-                _common(p, argparse.SUPPRESS)
-            return p
-
-        setattr(action, "add_parser", add_parser)  # noqa: B010 (wraps the bound method)
-        return action
+    parser.add_argument("--log-level", default=default("WARNING"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="outbox-dispatch", description=__doc__)
-    _common(parser, None)
+    parser = argparse.ArgumentParser(prog="outbox-dispatch", description=__doc__)
+    _common(parser, after=False)
+    common = argparse.ArgumentParser(add_help=False)  # the same options after a subcommand
+    _common(common, after=True)
+    ours = [common]
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("migrate", help="create or upgrade the outbox schema (safe to repeat)")
+    p = sub.add_parser(
+        "migrate", parents=ours, help="create or upgrade the outbox schema (safe to repeat)"
+    )
     p.add_argument("--database-url", help=f"without --app (or env {DB_ENV})")
     p.add_argument("--schema", help=f"without --app (or env {SCHEMA_ENV}; default outbox)")
     p.set_defaults(fn=cmd_migrate)
 
     p = sub.add_parser(
-        "roles", help="least-privilege roles: print the SQL, or --apply it as an administrator"
+        "roles",
+        parents=ours,
+        help="least-privilege roles: print the SQL, or --apply it as an administrator",
     )
     p.add_argument("--migrate-role", required=True, help="owns the schema, runs migrate")
     p.add_argument("--runtime-role", required=True, help="producers, workers and beat")
@@ -319,17 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schema", help=f"without --app (or env {SCHEMA_ENV}; default outbox)")
     p.set_defaults(fn=cmd_roles)
 
-    p = sub.add_parser("status", help="per family: due, scheduled, in flight, parked, oldest due")
+    p = sub.add_parser(
+        "status", parents=ours, help="per family: due, scheduled, in flight, parked, oldest due"
+    )
     p.set_defaults(fn=cmd_status)
 
-    p = sub.add_parser("parked", help="dead-lettered rows: list, retry, purge")
+    p = sub.add_parser("parked", parents=ours, help="dead-lettered rows: list, retry, purge")
     psub = p.add_subparsers(dest="parked_cmd", required=True)
     for name, helptext in (
         ("list", "show parked rows with their last error"),
         ("retry", "make parked rows due again, attempts reset"),
         ("purge", "delete parked rows"),
     ):
-        q = psub.add_parser(name, help=helptext)
+        q = psub.add_parser(name, parents=ours, help=helptext)
         q.add_argument("--family")
         if name == "list":
             q.add_argument("--limit", type=int, default=100)
@@ -338,7 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--all", action="store_true", help="every parked row (of --family)")
     p.set_defaults(fn=cmd_parked)
 
-    p = sub.add_parser("cancel", help="cancel rows: pending ones at once, running ones asked")
+    p = sub.add_parser(
+        "cancel", parents=ours, help="cancel rows: pending ones at once, running ones asked"
+    )
     p.add_argument("ids", nargs="*", type=int, help="row ids")
     p.add_argument("--dedupe-key")
     p.add_argument("--actor")
@@ -347,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", help="who cancels (default: $USER)")
     p.set_defaults(fn=cmd_cancel)
 
-    p = sub.add_parser("prune", help="delete settled rows past their family's retention")
+    p = sub.add_parser(
+        "prune", parents=ours, help="delete settled rows past their family's retention"
+    )
     p.add_argument("--batch", type=int, help="rows per delete (default: the dispatcher's)")
     p.set_defaults(fn=cmd_prune)
 
@@ -364,12 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(fn=cmd_celery)
 
-    p = sub.add_parser("metrics", help="serve Prometheus /metrics: per-family gauges")
+    p = sub.add_parser("metrics", parents=ours, help="serve Prometheus /metrics: per-family gauges")
     p.add_argument("--port", type=int, default=9808)
     p.add_argument("--addr", default="0.0.0.0")  # noqa: S104 (a metrics endpoint listens)
     p.set_defaults(fn=cmd_metrics)
 
-    p = sub.add_parser("demo", help="the demo: a real workload through worker and beat")
+    p = sub.add_parser(
+        "demo", parents=ours, help="the demo: a real workload through worker and beat"
+    )
     p.add_argument("--rows", type=int, default=3000)
     p.add_argument("--workers", type=int, default=2, help="worker pool processes")
     p.add_argument("--timeout", type=float, default=180.0)

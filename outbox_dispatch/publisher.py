@@ -37,17 +37,14 @@ class Publisher:
 
     def publish(self, family: Family, rows: Sequence[Claimed], queue: str, size: int = 1) -> None:
         """One message per row, or per ``size`` rows; one producer, one pipeline."""
-        messages: Outgoing
-        if size <= 1:
-            messages = [((r.id, str(r.token)), message_options(family, r, queue)) for r in rows]
-        else:
-            messages = []
-            for i in range(0, len(rows), size):
-                chunk = rows[i : i + size]
-                if len(chunk) == 1:
-                    row = chunk[0]
-                    messages.append(((row.id, str(row.token)), message_options(family, row, queue)))
-                    continue
+        messages: Outgoing = []
+        step = max(1, size)
+        for i in range(0, len(rows), step):
+            chunk = rows[i : i + step]
+            if len(chunk) == 1:  # a lone row keeps the one-row message (and its Flower name)
+                row = chunk[0]
+                messages.append(((row.id, str(row.token)), message_options(family, row, queue)))
+            else:
                 pairs = [[r.id, str(r.token)] for r in chunk]
                 messages.append(((pairs,), batch_options(family, chunk, queue)))
         with self.app.producer_or_acquire() as producer, _batched(producer):

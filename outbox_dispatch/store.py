@@ -186,18 +186,15 @@ class Store:
                 ).fetchall()
                 if not picked:
                     return ClaimResult(family.name, [], [], limit)
-                params = {**_lease_params(family), "ids": [int(r[0]) for r in picked], "tokens": []}
-                leased = conn.execute(self.q["claim_lease"], params)
+                leased = self._lease(conn, family, [int(r[0]) for r in picked], [])
             rows = leased.fetchall()  # after the commit was queued: one round trip for both
         return _claim_result(family.name, rows, limit)
 
-    def _lease_rows(
-        self, conn: Conn, family: Family, ids: list[int], tokens: list[UUID]
-    ) -> list[tuple[Any, ...]]:
-        if not ids:
-            return []
+    def _lease(self, conn: Conn, family: Family, ids: list[int], tokens: list[UUID]) -> Any:
+        """The lease statement for rows the claim holds locked; its cursor (in pipeline mode
+        the rows can be fetched after the commit was queued)."""
         params = {**_lease_params(family), "ids": ids, "tokens": tokens}
-        return conn.execute(self.q["claim_lease"], params).fetchall()
+        return conn.execute(self.q["claim_lease"], params)
 
     def claim_capped(
         self,
@@ -230,7 +227,8 @@ class Store:
             ).fetchall()
             candidates = [Candidate(int(r[0]), r[1], r[2], int(r[3])) for r in found]
             take, wait = decide(candidates, limit)
-            rows = self._lease_rows(conn, family, [i for i, _ in take], [t for _, t in take])
+            ids, tokens = [i for i, _ in take], [t for _, t in take]
+            rows = self._lease(conn, family, ids, tokens).fetchall() if ids else []
             if wait:
                 conn.execute(self.q["claim_mark_waiting"], {"ids": wait, "lease": family.lease})
         result = _claim_result(family.name, rows, limit)
