@@ -19,8 +19,11 @@ from .errors import (
     IsolationNotSupported,
     MaintenanceFailed,
     OutboxError,
+    OutsideTransaction,
     PayloadTooLarge,
     PermanentFailure,
+    ResultsNotSupported,
+    RetryLater,
     SchemaNotReady,
     UnknownCommand,
     UnknownFamily,
@@ -28,6 +31,8 @@ from .errors import (
 from .handlers import Context
 from .policy import Backoff, Family, LostAttempt
 from .settle import Outcome
+from .tasks import EnqueuedTask, OutboxTask
+from .transactions import using
 from .validation import Message
 
 __all__ = [
@@ -41,6 +46,7 @@ __all__ = [
     "DrainReport",
     "DrainTimeout",
     "DuplicateRegistration",
+    "EnqueuedTask",
     "Family",
     "InvalidArgument",
     "InvalidIdentifier",
@@ -50,10 +56,15 @@ __all__ = [
     "MaintenanceFailed",
     "Message",
     "OutboxError",
+    "OutboxTask",
     "Outcome",
+    "OutsideTransaction",
     "PayloadTooLarge",
     "PermanentFailure",
+    "ResultsNotSupported",
+    "RetryLater",
     "SchemaNotReady",
     "UnknownCommand",
     "UnknownFamily",
+    "using",
 ]

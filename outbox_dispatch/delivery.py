@@ -15,7 +15,7 @@ from uuid import UUID
 from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable
 from .deferred_settles import DeferredSettles
-from .errors import PermanentFailure
+from .errors import PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
@@ -32,6 +32,7 @@ from .settle import (
     after_return,
     delivered,
     outcome,
+    retry_asked,
     stop_error,
 )
 from .store import Store
@@ -354,6 +355,8 @@ class Delivery:
         if isinstance(exc, PermanentFailure):
             return Settle(SettleKind.PARK, error=describe_error(exc))
         stop = running.stop_reason()
+        if isinstance(exc, RetryLater) and stop is None:
+            return retry_asked(family, started.attempts, exc.delay, str(exc))
         if type(exc).__name__ == "SoftTimeLimitExceeded":  # billiard's, raised by prefork
             stop = StopReason.TIME_LIMIT
         error = stop_error(family, describe_error(exc), stop)

@@ -8,11 +8,12 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import metrics, tracing, wiring
+from . import metrics, tasks, tracing, wiring
 from .adapters import caller_connection, check_database_url
 from .caps import Caps
 from .claimer import Claimer, ClaimReport
@@ -45,6 +46,7 @@ from .queues import QueueProbe
 from .rows import Claimed, FamilyStatus
 from .runstats import RunStats, RunTimes
 from .store import Store
+from .task_options import TaskCall
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
 
 if TYPE_CHECKING:
@@ -87,6 +89,8 @@ class Dispatcher:
         prune_batch: int = 1000,
         listen: bool = True,
         consumers: int | None = None,
+        task_family: str = "job",
+        task_outside: str = "commit",
     ) -> None:
         if not database_url:
             raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
@@ -101,6 +105,11 @@ class Dispatcher:
             isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1
         ):
             raise ConfigurationError(f"consumers must be None or >= 1, got {consumers!r}")
+        if task_outside not in tasks.OUTSIDE:
+            raise ConfigurationError(
+                f"task_outside must be one of {list(tasks.OUTSIDE)}, got {task_outside!r}"
+            )
+        self.task_outside = task_outside
         self.consumers = consumers
         self.app = app
         self.database_url = database_url
@@ -110,7 +119,7 @@ class Dispatcher:
         self.claim_interval = claim_interval
         self.payload_limit = payload_limit
         self.families: dict[str, Family] = builtin_families()
-        self.registry = Registry()
+        self.registry = Registry(resolve=self._task_registration)
         if pool_size < 1 or handler_pool_size < 1:
             raise ConfigurationError("pool_size and handler_pool_size must be >= 1")
         self.store = Store(
@@ -144,7 +153,7 @@ class Dispatcher:
         self._deliver_task, self._claim_task = wiring.register_tasks(
             app, self._deliver_from_queue, self.claim_and_publish
         )
-        self.publisher = Publisher(app, self._deliver_task)
+        self.publisher = Publisher(app, self._deliver_task, self._shown_name)
         wiring.add_beat_entry(app, claim_interval, self.claim_queue)
         self.prune_batch = prune_batch
         self.maintenance = Maintenance(self.store, self.families)
@@ -160,6 +169,8 @@ class Dispatcher:
             wiring.install_listener_step(app, self.commit_listener)
         metrics.install_worker_server(app, self)
         wiring.on_worker_exit(self.delivery.deferred.flush)
+
+        self.task_family = family_name(task_family)  # declared by the first call, if not yet
 
     def commit_listener(self) -> CommitListener:
         """The commit listener a worker runs (listener.py); also usable on its own."""
@@ -330,8 +341,9 @@ class Dispatcher:
         dedupe_key: object,
         delay: object,
         at: object,
+        family: str | None = None,
     ) -> PreparedRow:
-        fam = self.registry.family_of(command)
+        fam = self.registry.family_of(command) if family is None else family
         if fam not in self.families:
             raise UnknownFamily(f"command {command!r} belongs to undeclared family {fam!r}")
         row = prepare(
@@ -364,12 +376,47 @@ class Dispatcher:
         row, nothing is written and that row's id is returned.
         """
         row = self._prepare(command, payload, actor, dedupe_key, delay, at)
+        return self._insert(caller_connection(conn), row)
+
+    def enqueue_call(self, conn: object, task: str, call: TaskCall, family: str) -> int:
+        """The row of a Celery task call (tasks.py) on the caller's connection; with
+        ``conn=None``, in a transaction of its own, committed before this returns."""
+        row = self._prepare(
+            task, call.payload, call.actor, call.dedupe_key, call.delay, call.at, family
+        )
+        due_now = call.delay is None and call.at is None
+        if conn is not None:
+            row_id = self._insert(caller_connection(conn), row)
+            if due_now and type(conn).__module__.startswith("django."):
+                from .contrib.django import wake_on_commit
+
+                wake_on_commit(conn, self, [family])  # only when nobody listens
+            return row_id
+        with self.store.connection() as own:
+            row_id = self._insert(own, row)
+        if not self.listen and due_now:
+            self.request_claim(family)  # committed: the NOTIFY wakes only a listener
+        return row_id
+
+    def _insert(self, conn: Conn, row: PreparedRow) -> int:
         fam = self.families[row.family]
         if fam.ordered and row.actor is not None:
-            return self.store.insert_ordered(
-                caller_connection(conn), row, parked_blocks=fam.parked_blocks
-            )
-        return self.store.insert(caller_connection(conn), row)
+            return self.store.insert_ordered(conn, row, parked_blocks=fam.parked_blocks)
+        return self.store.insert(conn, row)
+
+    def _task_registration(self, command: str) -> Registration | None:
+        """A Celery task of the app, for rows its calls wrote (its handler runs the task)."""
+        if command.startswith(tasks.INTERNAL):
+            return None
+        task = self.app.tasks.get(command)  # finalizes the app: only ever at delivery
+        if task is None:
+            return None
+        return Registration(command, self.task_family, partial(tasks.run_task, task), task=True)
+
+    def _shown_name(self, family: Family, command: str) -> str:
+        """Flower's name for a delivery: ``<family>:<command>``, a task's calls its own name."""
+        reg = self.registry.registration(command)
+        return command if reg is not None and reg.task else f"{family.name}:{command}"
 
     def enqueue_many(self, conn: TxConn, messages: Iterable[Message]) -> list[int]:
         """Write a batch in one round trip; ids come back in input order. All or nothing is

@@ -77,3 +77,22 @@ class DrainLoop(DrainError):
 
 class PermanentFailure(OutboxError):
     """Raised by a handler to park its row at once: retrying would not help."""
+
+
+class RetryLater(OutboxError):
+    """Raised by a handler to try its row again after ``delay`` seconds (the family's
+    max_attempts still applies; then the row is parked)."""
+
+    def __init__(self, delay: float, message: str | None = None) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+class OutsideTransaction(OutboxError):
+    """A task call found no transaction to write its outbox row in: call it inside
+    ``transaction.atomic()`` (Django) or ``with outbox_dispatch.using(conn):``."""
+
+
+class ResultsNotSupported(OutboxError):
+    """A task call through the outbox has no result to wait for: the outbox keeps the call,
+    not what it returned. Store the outcome where the task can write it (a table, a cache)."""

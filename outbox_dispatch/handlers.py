@@ -54,11 +54,20 @@ class Registration:
     fn: HandlerFn | None  # None: declared by a producer that does not deliver it
     per_actor: int | None = None  # overrides the family's per-actor cap for this command
     transactional: bool = False  # fn gets ctx.conn; its writes commit with the settle
+    task: bool = False  # a Celery task's calls (tasks.py): Flower shows the task's own name
+
+
+Resolver = Callable[[str], Registration | None]
 
 
 class Registry:
-    def __init__(self) -> None:
+    """Commands and their handlers. ``resolve`` finds a command nobody registered: a Celery
+    task's name, whose rows its calls wrote (tasks.py); what it finds is kept."""
+
+    def __init__(self, resolve: Resolver | None = None) -> None:
         self._by_command: dict[str, Registration] = {}
+        self.resolve = resolve
+        self._resolved: dict[str, Registration] = {}
 
     def add(self, reg: Registration, known_families: set[str]) -> None:
         if reg.family not in known_families:
@@ -93,11 +102,19 @@ class Registry:
         return reg.family
 
     def handler(self, command: str) -> HandlerFn | None:
-        reg = self._by_command.get(command)
+        reg = self.registration(command)
         return reg.fn if reg else None
 
     def registration(self, command: str) -> Registration | None:
-        return self._by_command.get(command)
+        reg = self._by_command.get(command)
+        if reg is not None or self.resolve is None:
+            return reg
+        found = self._resolved.get(command)
+        if found is None:
+            found = self.resolve(command)  # a miss is asked again: its module may load later
+            if found is not None:
+                self._resolved[command] = found
+        return found
 
     def commands(self) -> list[Registration]:
         return list(self._by_command.values())

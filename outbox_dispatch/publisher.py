@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from celery import Celery, signals
@@ -30,10 +30,18 @@ _DISPLAY = ("shadow", "argsrepr", "kwargsrepr")
 Outgoing = list[tuple[tuple[Any, ...], dict[str, Any]]]  # (task args, publish options)
 
 
+Namer = Callable[[Family, str], str]  # the name Flower shows for a family's command
+
+
+def family_command(family: Family, command: str) -> str:
+    return f"{family.name}:{command}"
+
+
 class Publisher:
-    def __init__(self, app: Celery, task: Any) -> None:
+    def __init__(self, app: Celery, task: Any, name: Namer = family_command) -> None:
         self.app = app
         self.task = task
+        self.name = name
 
     def publish(self, family: Family, rows: Sequence[Claimed], queue: str, size: int = 1) -> None:
         """One message per row, or per ``size`` rows; one producer, one pipeline."""
@@ -43,10 +51,11 @@ class Publisher:
             chunk = rows[i : i + step]
             if len(chunk) == 1:  # a lone row keeps the one-row message (and its Flower name)
                 row = chunk[0]
-                messages.append(((row.id, str(row.token)), message_options(family, row, queue)))
+                options = message_options(family, row, queue, self.name)
+                messages.append(((row.id, str(row.token)), options))
             else:
                 pairs = [[r.id, str(r.token)] for r in chunk]
-                messages.append(((pairs,), batch_options(family, chunk, queue)))
+                messages.append(((pairs,), batch_options(family, chunk, queue, self.name)))
         with self.app.producer_or_acquire() as producer, _batched(producer):
             if self._needs_celery_path(queue):
                 for args, options in messages:
@@ -122,12 +131,15 @@ def _batched(producer: Any) -> Iterator[None]:
         yield
 
 
-def message_options(family: Family, row: Claimed, queue: str) -> dict[str, Any]:
-    """Celery publish options: Flower shows ``<family>:<command>`` with row id and actor."""
+def message_options(
+    family: Family, row: Claimed, queue: str, name: Namer = family_command
+) -> dict[str, Any]:
+    """Celery publish options: Flower shows ``<family>:<command>`` (a Celery task's own name
+    for its calls) with row id and actor."""
     return {
         "queue": queue,
         "routing_key": queue,
-        "shadow": f"{family.name}:{row.command}",
+        "shadow": name(family, row.command),
         "argsrepr": f"(row={row.id}, actor={row.actor!r}, attempt={row.attempts})",
         "kwargsrepr": "{}",
         **_time_limits(family, 1),
@@ -143,14 +155,16 @@ def _time_limits(family: Family, rows: int) -> dict[str, float]:
     return {"soft_time_limit": family.time_limit * rows, "time_limit": hard * rows}
 
 
-def batch_options(family: Family, rows: Sequence[Claimed], queue: str) -> dict[str, Any]:
+def batch_options(
+    family: Family, rows: Sequence[Claimed], queue: str, name: Namer = family_command
+) -> dict[str, Any]:
     """Celery publish options of a batched message: Flower shows the family and the row ids."""
     commands = sorted({r.command for r in rows})
-    shown = commands[0] if len(commands) == 1 else "mixed"
+    shown = name(family, commands[0]) if len(commands) == 1 else f"{family.name}:mixed"
     return {
         "queue": queue,
         "routing_key": queue,
-        "shadow": f"{family.name}:{shown}[{len(rows)}]",
+        "shadow": f"{shown}[{len(rows)}]",
         "argsrepr": f"(rows={[r.id for r in rows]})",
         "kwargsrepr": "{}",
         **_time_limits(family, len(rows)),

@@ -84,6 +84,14 @@ def after_failure(
     return Settle(SettleKind.RETRY, decision.delay, error, maybe_applied)
 
 
+def retry_asked(family: Family, attempts: int, delay: float, error: str) -> Settle:
+    """A handler that asked to be tried again after ``delay`` (RetryLater): due again then,
+    unless the family's max_attempts ran out."""
+    if family.max_attempts is not None and attempts >= family.max_attempts:
+        return Settle(SettleKind.PARK, error=f"{error}; the family's max_attempts ran out")
+    return Settle(SettleKind.RETRY, max(0.0, delay), error)
+
+
 def after_return(family: Family, attempts: int, rand: float, stop: StopReason | None) -> Settle:
     """A handler that returned: delivered, unless it had been told to stop for a reason other
     than a cancel (invariant 12) — then it did not finish on its own terms, its effects are

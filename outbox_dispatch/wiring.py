@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery
+from celery import Celery, Task
 from kombu.entity import Queue
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ def register_tasks(
 
     @app.task(  # type: ignore[untyped-decorator]
         name=DELIVER_TASK,
+        base=Task,  # Celery's own, also in an app whose task_cls is OutboxTask
         shared=False,  # a shared task would be added to every other Celery app in the process
         bind=True,
         acks_late=True,
@@ -67,7 +68,7 @@ def register_tasks(
         info = getattr(self.request, "delivery_info", None) or {}
         deliver(args, info.get("routing_key"))
 
-    @app.task(name=CLAIM_TASK, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
+    @app.task(name=CLAIM_TASK, base=Task, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
     def claim_task(families: Any = None) -> None:
         # a wake names the family whose slot freed; beat passes nothing: every family
         names = [f for f in families if isinstance(f, str)] if isinstance(families, list) else None
@@ -79,7 +80,7 @@ def register_tasks(
 def register_periodic(app: Celery, name: str, fn: Callable[[], object]) -> Any:
     """A maintenance task (prune, cron) that beat schedules on the claim queue."""
 
-    @app.task(name=name, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
+    @app.task(name=name, base=Task, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
     def periodic() -> None:
         fn()
 

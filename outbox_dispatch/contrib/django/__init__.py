@@ -75,7 +75,7 @@ def enqueue(
         at=at,
     )
     if _due_now(delay, at):
-        _claim_on_commit(connection, dispatcher, [dispatcher.registry.family_of(command)])
+        wake_on_commit(connection, dispatcher, [dispatcher.registry.family_of(command)])
     return row_id
 
 
@@ -92,7 +92,7 @@ def enqueue_many(
     connection = _transaction_of(using, allow_autocommit)
     ids = dispatcher.enqueue_many(connection, batch)
     families = [dispatcher.registry.family_of(m.command) for m in batch if _due_now(m.delay, m.at)]
-    _claim_on_commit(connection, dispatcher, families)
+    wake_on_commit(connection, dispatcher, families)
     return ids
 
 
@@ -131,7 +131,7 @@ class _Wake:
         self.dispatcher.request_claim(self.family)
 
 
-def _claim_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[str]) -> None:
+def wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[str]) -> None:
     wanted = sorted(set(families))
     if not wanted or _listens(dispatcher):
         return

@@ -1,0 +1,275 @@
+"""Existing Celery tasks through the outbox, after one line: ``Celery("proj",
+task_cls=OutboxTask)`` for every task of the app, or ``@app.task(base=OutboxTask)`` for one.
+
+A call (``.delay()``, ``.apply_async()``) writes an outbox row in the caller's transaction
+instead of publishing; the row's delivery runs the task's own function with its args and
+kwargs, as the task's request would show them (``self.request.retries`` is the attempt,
+``self.retry()`` and ``autoretry_for`` retry the row). task_options.py decides what a call's
+options mean; this module does the writing and the running.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
+
+from .errors import (
+    ConfigurationError,
+    OutsideTransaction,
+    PermanentFailure,
+    ResultsNotSupported,
+    RetryLater,
+    UnknownFamily,
+)
+from .logs import event
+from .task_options import TaskCall, decode_call, plan_call, retry_delay
+from .transactions import bound, django_transaction
+
+if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
+    from .handlers import Context
+
+log = logging.getLogger(__name__)
+
+# What a task call does when it finds no transaction (OutboxTask.outbox_outside).
+COMMIT, RAISE, CELERY = "commit", "raise", "celery"
+OUTSIDE = (COMMIT, RAISE, CELERY)
+
+INTERNAL = ("celery.", "outbox.")  # Celery's own tasks and ours never go through the outbox
+
+
+class OutboxTask(Task):  # type: ignore[misc]
+    """A Celery task whose calls go through the outbox. Class attributes (or the same names
+    as ``@app.task(...)`` options) tune it:
+
+    ``outbox = False`` opts a task out: plain Celery. ``outbox_family`` names its family
+    (else the call's ``queue=``, the task's queue or route, else the dispatcher's
+    ``task_family``). ``outbox_outside``: a call outside any transaction ``"commit"``\\s its
+    row on its own (the default, as a plain call published at once), ``"raise"``\\s
+    OutsideTransaction, or goes through plain ``"celery"``.
+    """
+
+    outbox: bool = True
+    outbox_family: str | None = None
+    outbox_outside: str | None = None
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        def plain() -> Any:
+            return super(OutboxTask, self).apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+
+        if not self.outbox or self.name.startswith(INTERNAL) or self.app.conf.task_always_eager:
+            return plain()  # opted out, or eager (a shop's unit tests run the task inline)
+        dispatcher = _dispatcher_of(self)
+        given = {"task_id": task_id, "link": link, "link_error": link_error, **options}
+        call = plan_call(
+            self.name,
+            args,
+            kwargs,
+            {k: v for k, v in given.items() if v is not None},
+            now=datetime.now(UTC),
+            tz=self.app.timezone,
+        )
+        family = task_family(dispatcher, self, call, args, kwargs)
+        conn = bound() or django_transaction(dispatcher.database_url)
+        if conn is None:
+            outside = self.outbox_outside or dispatcher.task_outside
+            if outside == CELERY:
+                return plain()
+            if outside == RAISE:
+                raise OutsideTransaction(
+                    f"{self.name} was called outside a transaction, and its outbox_outside is "
+                    "'raise': call it inside `transaction.atomic()` (Django) or `with "
+                    "outbox_dispatch.using(conn):`"
+                )
+        row_id = dispatcher.enqueue_call(conn, self.name, call, family)
+        return EnqueuedTask(call.dedupe_key or f"outbox:{row_id}", row_id, self.name)
+
+
+def _dispatcher_of(task: Any) -> Dispatcher:
+    dispatcher = getattr(task.app, "outbox_dispatcher", None)
+    if dispatcher is None:
+        raise ConfigurationError(
+            f"{task.name} is an OutboxTask, but Celery app {task.app.main!r} has no Dispatcher: "
+            "build outbox_dispatch.Dispatcher(app, ...) where the app is defined"
+        )
+    return dispatcher  # type: ignore[no-any-return]
+
+
+def task_family(dispatcher: Dispatcher, task: Any, call: TaskCall, args: Any, kwargs: Any) -> str:
+    """The family of a call: the call's ``queue=``, else the task's ``outbox_family``, its
+    ``queue`` or its ``task_routes`` route; a queue names a family of that name, and the
+    app's default queue the dispatcher's ``task_family``."""
+    queue = call.queue
+    if queue is None:
+        if task.outbox_family:
+            return _declared(dispatcher, task.name, task.outbox_family, "outbox_family")
+        queue = getattr(task, "queue", None) or _routed(task, args, kwargs)
+    prefix = dispatcher.queue_prefix + "."
+    if queue.startswith(prefix):
+        queue = queue[len(prefix) :]
+    if queue in dispatcher.families:
+        return queue
+    if queue == (task.app.conf.task_default_queue or "celery"):
+        return _declared(dispatcher, task.name, dispatcher.task_family, "task_family")
+    raise UnknownFamily(
+        f"{task.name} is routed to queue {queue!r}, which is no outbox family: declare "
+        f"dispatcher.family({queue!r}) (its workers consume {dispatcher.queue_name(queue)!r}), "
+        "or set the task's outbox_family"
+    )
+
+
+def _routed(task: Any, args: Any, kwargs: Any) -> str:
+    """The queue Celery's router picks for the task (``task_routes``, else the default)."""
+    route = task.app.amqp.router.route({}, task.name, args, kwargs)
+    queue = route.get("queue")
+    name = getattr(queue, "name", queue)
+    return str(name or task.app.conf.task_default_queue or "celery")
+
+
+def _declared(dispatcher: Dispatcher, task: str, family: str, what: str) -> str:
+    if family not in dispatcher.families:
+        raise UnknownFamily(
+            f"{task}'s {what} {family!r} is not declared: add dispatcher.family({family!r}) "
+            "before the first call"
+        )
+    return family
+
+
+class EnqueuedTask:
+    """What a call through the outbox returns in place of an AsyncResult: the call's id (its
+    ``task_id=``, else ``outbox:<row id>``, which the task sees as ``self.request.id``) and
+    its row. There is no result to wait for: ``get()`` and the state raise at once."""
+
+    def __init__(self, task_id: str, row_id: int, name: str) -> None:
+        self.id = task_id
+        self.task_id = task_id
+        self.row_id = row_id
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.id
+
+    def __repr__(self) -> str:
+        return f"<EnqueuedTask {self.name}[{self.id}] row={self.row_id}>"
+
+    def _refuse(self) -> ResultsNotSupported:
+        return ResultsNotSupported(
+            f"{self.name}[{self.id}] went through the outbox (row {self.row_id}), which keeps "
+            "no task results: store the outcome where the task can write it, or opt the task "
+            "out with outbox=False"
+        )
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse()
+
+    wait = get
+
+    def ready(self) -> bool:
+        raise self._refuse()
+
+    @property
+    def state(self) -> str:
+        raise self._refuse()
+
+    status = state
+
+    @property
+    def result(self) -> Any:
+        raise self._refuse()
+
+
+def run_task(task: Any, ctx: Context, payload: Any) -> None:
+    """A row of a task call: the task's own function with its args and kwargs, inside a
+    request like Celery's (``self.request.id`` the call's id, ``retries`` the attempts
+    before this one, ``outbox`` the delivery's Context). The request is marked eager so
+    that ``self.retry()`` raises its Retry rather than publishing a message: the row is
+    retried instead, after the delay the Retry asked for."""
+    from celery._state import _task_stack  # what celery.current_task reads
+
+    try:
+        call = decode_call(payload)
+    except ValueError as exc:
+        raise PermanentFailure(f"row {ctx.row_id} is not a call of {task.name}: {exc}") from exc
+    now = datetime.now(UTC)
+    if call.expires is not None and now >= call.expires:
+        event(
+            log,
+            logging.WARNING,
+            "task_expired",
+            f"{task.name} expired at {call.expires.isoformat()} before it ran: not run",
+            row_id=ctx.row_id,
+            family=ctx.family,
+            command=ctx.command,
+            attempt=ctx.attempt,
+        )
+        return
+    task.push_request(
+        id=ctx.idempotency_key,
+        root_id=ctx.idempotency_key,
+        retries=ctx.attempt - 1,
+        args=call.args,
+        kwargs=call.kwargs,
+        is_eager=True,
+        called_directly=False,
+        delivery_info={"routing_key": ctx.family, "is_eager": False},
+        outbox=ctx,
+    )
+    _task_stack.push(task)
+    try:
+        task.run(*call.args, **call.kwargs)
+    except Retry as retry:
+        raise _retry_later(task, retry, call.args, call.kwargs, now) from retry
+    except Ignore:
+        return  # Celery records nothing for an ignored task: the row is settled as done
+    except Reject as reject:
+        if reject.requeue:
+            raise RetryLater(
+                0.0, f"{task.name} rejected the call and asked to requeue it"
+            ) from None
+        raise PermanentFailure(f"{task.name} rejected the call: {reject.reason!r}") from reject
+    except PermanentFailure:
+        raise
+    except Exception as exc:
+        # Celery marks such a call FAILURE and does not run it again; its row is parked, to
+        # be retried or purged by hand, rather than lost
+        raise PermanentFailure(
+            f"{type(exc).__name__}: {exc} (not retried: the task did not call self.retry and "
+            "autoretry_for does not cover it)"
+        ) from exc
+    finally:
+        _task_stack.pop()
+        task.pop_request()
+
+
+def _retry_later(
+    task: Any, retry: Retry, args: list[Any], kwargs: dict[str, Any], now: datetime
+) -> Exception:
+    """The row's retry for a Celery Retry (``self.retry()`` or ``autoretry_for``), whose
+    max_retries check has passed: the next attempt is the retry it counted."""
+    sig = getattr(retry, "sig", None)
+    if sig is not None and (list(sig.args) != list(args) or dict(sig.kwargs) != dict(kwargs)):
+        return PermanentFailure(
+            f"{task.name} called self.retry() with new args or kwargs, which a row cannot "
+            "take: call the task anew with them instead"
+        )
+    delay = retry_delay(retry.when, task.default_retry_delay, now)
+    cause = retry.exc if isinstance(retry.exc, BaseException) else None
+    reason = f"{type(cause).__name__}: {cause}" if cause is not None else "self.retry()"
+    most = "" if task.max_retries is None else f" of {task.max_retries}"
+    return RetryLater(delay, f"{reason} (retry {int(task.request.retries) + 1}{most})")

@@ -1,0 +1,103 @@
+"""Which transaction a Celery task call belongs to, so that ``task.delay()`` writes its outbox
+row there: the connection bound with ``outbox_dispatch.using(conn)`` (psycopg, SQLAlchemy),
+else Django's connection to the outbox's database while it is in a transaction
+(``transaction.atomic()`` on any alias). Nothing here opens a connection.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from .adapters import caller_connection
+from .errors import OutsideTransaction
+
+_bound: ContextVar[object | None] = ContextVar("outbox_dispatch_using", default=None)
+
+
+@contextmanager
+def using(conn: object) -> Iterator[None]:
+    """Task calls (``.delay()``, ``.apply_async()``) inside this block write their rows on
+    ``conn``, so they commit or roll back with the caller's transaction: a psycopg 3
+    connection, a SQLAlchemy Session or Connection, or a Django connection."""
+    caller_connection(conn)  # refuse what cannot carry a row now, not at the first call
+    token = _bound.set(conn)
+    try:
+        yield
+    finally:
+        _bound.reset(token)
+
+
+def bound() -> object | None:
+    return _bound.get()
+
+
+def django_transaction(database_url: str) -> Any | None:
+    """Django's connection (this thread's) to the outbox's database when it is inside a
+    transaction, else None. A transaction open only on another database cannot carry the
+    row: that is refused, since writing the row apart from it would be a silent dual write."""
+    if "django.db" not in sys.modules:
+        return None
+    from django.conf import settings
+
+    if not settings.configured:
+        return None
+    from django.db import connections
+
+    ours, others = [], []
+    for conn in connections.all(initialized_only=True):
+        in_transaction = conn.in_atomic_block or (
+            conn.connection is not None and not conn.get_autocommit()
+        )
+        if not in_transaction:
+            continue
+        if conn.vendor == "postgresql" and same_database(conn.settings_dict, database_url):
+            ours.append(conn)
+        else:
+            others.append(conn)
+    if len(ours) > 1:
+        names = ", ".join(repr(c.alias) for c in ours)
+        raise OutsideTransaction(
+            f"Django databases {names} are all in a transaction on the outbox's database: "
+            "say which one carries the task calls with `with outbox_dispatch.using("
+            "connections[alias]):`"
+        )
+    if ours:
+        # Django refuses queries in a transaction an error broke; the row bypasses its cursor
+        ours[0].validate_no_broken_transaction()
+        return ours[0]
+    if others:
+        names = ", ".join(repr(c.alias) for c in others)
+        raise OutsideTransaction(
+            f"this task call is inside a transaction on Django database {names}, which is "
+            "not the outbox's database, so its row cannot commit with that transaction: "
+            "keep the outbox in the same database as the data it follows, or call the task "
+            "outside that block"
+        )
+    return None
+
+
+_LOCAL = {"", "localhost", "127.0.0.1", "::1"}
+
+
+def same_database(settings_dict: dict[str, Any], database_url: str) -> bool:
+    """Whether a Django DATABASES entry names the database of ``database_url``: the same
+    name, port, and host (the loopback names and socket directories count as one host)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    url = conninfo_to_dict(database_url)
+    options = settings_dict.get("OPTIONS") or {}
+    name = settings_dict.get("NAME") or options.get("dbname")
+    if str(name or "") != str(url.get("dbname") or ""):
+        return False
+    if str(settings_dict.get("PORT") or 5432) != str(url.get("port") or 5432):
+        return False
+    return _host(settings_dict.get("HOST")) == _host(url.get("host"))
+
+
+def _host(value: object) -> str:
+    text = str(value or "")
+    return "local" if text in _LOCAL or text.startswith("/") else text
