@@ -5,6 +5,7 @@ SQLAlchemy sessions and connections are unwrapped to the psycopg connection insi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigurationError, InvalidArgument
@@ -24,6 +25,33 @@ def check_database_url(url: str) -> None:
             f"database_url {mask_dsn(url)!r} is not a valid PostgreSQL URL or DSN: "
             f"{mask_dsn(str(exc))}"
         ) from exc
+
+
+_LOCAL_HOSTS = {"", "localhost", "127.0.0.1", "::1"}
+
+
+def database_target(params: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(host, port, dbname) as libpq would reach them, from libpq's keys; None when a service
+    file decides. The loopback names and socket directories count as one host."""
+    if params.get("service") or not params.get("dbname"):
+        return None
+    host = str(params.get("host") or "")
+    if host in _LOCAL_HOSTS or host.startswith("/"):
+        host = "local"  # TCP to this machine or its Unix socket: one server either way
+    return host, str(params.get("port") or "5432"), str(params["dbname"])
+
+
+def django_target(settings_dict: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """database_target of a Django DATABASES entry."""
+    options = settings_dict.get("OPTIONS") or {}
+    return database_target(
+        {
+            "host": settings_dict.get("HOST"),
+            "port": settings_dict.get("PORT"),
+            "dbname": settings_dict.get("NAME"),
+            "service": options.get("service"),
+        }
+    )
 
 
 def caller_connection(conn: object) -> Conn:

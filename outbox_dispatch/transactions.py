@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from .adapters import caller_connection
+from .adapters import caller_connection, database_target, django_target
 from .errors import OutsideTransaction
 
 _bound: ContextVar[object | None] = ContextVar("outbox_dispatch_using", default=None)
@@ -80,24 +80,9 @@ def django_transaction(database_url: str) -> Any | None:
     return None
 
 
-_LOCAL = {"", "localhost", "127.0.0.1", "::1"}
-
-
 def same_database(settings_dict: dict[str, Any], database_url: str) -> bool:
-    """Whether a Django DATABASES entry names the database of ``database_url``: the same
-    name, port, and host (the loopback names and socket directories count as one host)."""
+    """Whether a Django DATABASES entry names the database of ``database_url``."""
     from psycopg.conninfo import conninfo_to_dict
 
-    url = conninfo_to_dict(database_url)
-    options = settings_dict.get("OPTIONS") or {}
-    name = settings_dict.get("NAME") or options.get("dbname")
-    if str(name or "") != str(url.get("dbname") or ""):
-        return False
-    if str(settings_dict.get("PORT") or 5432) != str(url.get("port") or 5432):
-        return False
-    return _host(settings_dict.get("HOST")) == _host(url.get("host"))
-
-
-def _host(value: object) -> str:
-    text = str(value or "")
-    return "local" if text in _LOCAL or text.startswith("/") else text
+    ours = database_target(conninfo_to_dict(database_url))
+    return ours is not None and django_target(settings_dict) == ours

@@ -25,6 +25,9 @@ DATABASES = {
         "OPTIONS": {"options": f"-c search_path={_schema}"},
     }
 }
+# a second alias on the same database (a shop's named database), and one on another database
+DATABASES["orders"] = dict(DATABASES["default"])
+DATABASES["elsewhere"] = {**DATABASES["default"], "NAME": "postgres"}
 OUTBOX_DISPATCHER = "tests.django_project.outbox:dispatcher"
 USE_TZ = True
 TIME_ZONE = "UTC"

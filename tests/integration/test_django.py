@@ -24,7 +24,7 @@ from django.core.management.base import CommandError, SystemCheckError
 from django.db import connection, connections, transaction
 from django.test.utils import override_settings
 
-from outbox_dispatch import ConfigurationError, Dispatcher, Message
+from outbox_dispatch import ConfigurationError, Dispatcher, Message, OutboxTask, OutsideTransaction
 from outbox_dispatch.contrib.django import (
     NotInTransaction,
     enqueue,
@@ -396,10 +396,73 @@ def test_a_dispatcher_built_from_a_django_alias_writes_with_the_models_and_deliv
     finally:
         d.close()
     with pytest.raises(
-        ConfigurationError, match=r"no database 'replica' in DATABASES \(it has: default\)"
+        ConfigurationError,
+        match=r"no database 'replica' in DATABASES \(it has: default, elsewhere, orders\)",
     ):
         database_url_of("replica")
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(settings.DATABASES, "lite", {"ENGINE": "django.db.backends.sqlite3"})
         with pytest.raises(ConfigurationError, match="the outbox lives in PostgreSQL"):
             database_url_of("lite")
+
+
+# -- existing Celery tasks (OutboxTask) inside Django transactions ------------------------------
+
+
+@pytest.fixture
+def task_calls(dispatcher: Dispatcher) -> tuple[Any, list[Any]]:
+    """A bound OutboxTask of the session's app that records its args and retries."""
+    seen: list[Any] = []
+
+    def body(self: Any, order: int) -> None:
+        seen.append((order, self.request.retries))
+        if self.request.retries == 0:
+            raise self.retry(countdown=0, exc=ConnectionError("mail server busy"))
+
+    name = f"shop.receipt{time.monotonic_ns()}"
+    return dispatcher.app.task(name=name, base=OutboxTask, bind=True)(body), seen
+
+
+def test_a_task_call_in_atomic_commits_with_the_order_and_retries_through_self_retry(
+    orders: Any,
+    task_calls: tuple[Any, list[Any]],
+    dispatcher: Dispatcher,
+    database_url: str,
+    schema: str,
+) -> None:
+    receipt, seen = task_calls
+    with transaction.atomic():
+        order = orders.objects.create(customer="ada", total_cents=4200)
+        row_id = receipt.delay(order.pk).row_id
+        assert count_rows(database_url, schema) == 0  # not before the commit
+    with pytest.raises(RuntimeError), transaction.atomic():
+        lost = orders.objects.create(customer="bob", total_cents=1)
+        receipt.delay(lost.pk)
+        raise RuntimeError("declined")
+    assert count_rows(database_url, schema) == 1
+    deadline = time.monotonic() + 10
+    while count_rows(database_url, schema) and time.monotonic() < deadline:
+        dispatcher.drain(timeout=5)
+    assert seen == [(order.pk, 0), (order.pk, 1)]  # retried once through self.retry
+    assert count_rows(database_url, schema, f"id = {row_id}") == 0
+
+
+def test_a_task_call_rides_on_a_named_database_and_is_refused_on_another_one(
+    orders: Any, task_calls: tuple[Any, list[Any]], database_url: str, schema: str
+) -> None:
+    receipt, _seen = task_calls
+    with pytest.raises(RuntimeError), transaction.atomic(using="orders"):
+        receipt.delay(1)
+        assert connections["orders"].in_atomic_block
+        raise RuntimeError("rolled back on the named database")
+    assert count_rows(database_url, schema) == 0
+    with transaction.atomic(using="orders"):
+        kept = receipt.delay(2).row_id
+    assert count_rows(database_url, schema, f"id = {kept}") == 1
+    # a transaction on a database the outbox is not in cannot carry the row
+    with transaction.atomic(using="elsewhere"):
+        with pytest.raises(OutsideTransaction, match="'elsewhere', which is not the outbox's"):
+            receipt.delay(3)
+    # outside any transaction (Django's autocommit) the row commits at once, by default
+    alone = receipt.delay(4).row_id
+    assert count_rows(database_url, schema, f"id = {alone}") == 1

@@ -3,13 +3,14 @@ session's transaction."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox_dispatch import Dispatcher, InvalidArgument
+from outbox_dispatch import Dispatcher, InvalidArgument, OutboxTask, using
 from tests.conftest import count_rows
 
 from .conftest import Effects
@@ -51,3 +52,24 @@ def test_sqlalchemy_on_another_driver_is_refused_clearly(
     with Session(sqlite) as session, pytest.raises(InvalidArgument, match="psycopg 3"):
         dispatcher.enqueue(session, commands(), {})
     sqlite.dispose()
+
+
+def test_a_task_call_inside_using_a_session_commits_and_rolls_back_with_it(
+    dispatcher: Dispatcher, engine: Engine, database_url: str
+) -> None:
+    ran: list[str] = []
+    name = f"shop.sa{time.monotonic_ns()}"
+
+    def record(text: str) -> None:
+        ran.append(text)
+
+    note = dispatcher.app.task(name=name, base=OutboxTask)(record)
+    with Session(engine) as session, using(session):
+        session.execute(text("SELECT 1"))
+        note.delay("rolled back")
+        session.rollback()
+    with Session(engine) as session, session.begin(), using(session):
+        note.delay("kept")
+    assert count_rows(database_url, dispatcher.schema) == 1
+    dispatcher.drain(timeout=5)
+    assert ran == ["kept"]

@@ -219,7 +219,7 @@ def test_countdown_eta_and_expires_become_the_rows_due_time_and_expiry(
         gone = t.apply_async((3,), expires=datetime.now(UTC) - timedelta(seconds=1)).row_id
         fresh = t.apply_async((4,), expires=60).row_id
     with psycopg.connect(database_url) as conn:
-        due = dict(
+        due: dict[int, Any] = dict(
             conn.execute(
                 f'SELECT id, extract(epoch FROM due_at - now()) FROM "{dispatcher.schema}".outbox'
             ).fetchall()

@@ -16,11 +16,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 from django.db.utils import load_backend
 
+from ...adapters import database_target, django_target
 from ...logs import mask_dsn
 from .apps import EXAMPLE, SETTING, configured_spec, get_dispatcher
 
 TAG = "outbox_dispatch"
-_LOCAL_HOSTS = {"", "localhost", "127.0.0.1", "::1"}
 
 
 def check_outbox(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
@@ -94,16 +94,9 @@ def database_problems(
         ]
     if database_url is None:
         return []
-    django_side = _target(
-        {
-            "host": conf.get("HOST"),
-            "port": conf.get("PORT"),
-            "dbname": conf.get("NAME"),
-            "service": (conf.get("OPTIONS") or {}).get("service"),
-        }
-    )
+    django_side = django_target(conf)
     try:
-        dispatcher_side = _target(psycopg.conninfo.conninfo_to_dict(database_url))
+        dispatcher_side = database_target(psycopg.conninfo.conninfo_to_dict(database_url))
     except psycopg.ProgrammingError:
         return []  # the Dispatcher reports its own unparsable URL when it connects
     if django_side is None or dispatcher_side is None or django_side == dispatcher_side:
@@ -117,16 +110,6 @@ def database_problems(
             id="outbox_dispatch.W004",
         )
     ]
-
-
-def _target(params: Mapping[str, Any]) -> tuple[str, str, str] | None:
-    """(host, port, dbname) as libpq would reach them; None when a service file decides."""
-    if params.get("service") or not params.get("dbname"):
-        return None
-    host = str(params.get("host") or "")
-    if host in _LOCAL_HOSTS or host.startswith("/"):
-        host = "local"  # TCP to this machine or its Unix socket: one server either way
-    return host, str(params.get("port") or "5432"), str(params["dbname"])
 
 
 def _show(target: tuple[str, str, str]) -> str:
