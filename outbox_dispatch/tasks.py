@@ -76,6 +76,10 @@ class OutboxTask(Task):  # type: ignore[misc]
         if not self.outbox or self.name.startswith(INTERNAL) or self.app.conf.task_always_eager:
             return plain()  # opted out, or eager (a shop's unit tests run the task inline)
         dispatcher = _dispatcher_of(self)
+        if self.typing and hasattr(self, "__header__"):
+            self.__header__(*(args or ()), **(kwargs or {}))  # a wrong call fails here, as Celery's
+        if getattr(self, "_dump_pydantic_arguments", None) is not None:
+            args, kwargs = self._dump_pydantic_arguments(args, kwargs)  # pydantic=True tasks
         given = {"task_id": task_id, "link": link, "link_error": link_error, **options}
         call = plan_call(
             self.name,

@@ -233,8 +233,16 @@ def test_countdown_eta_and_expires_become_the_rows_due_time_and_expiry(
     assert count_rows(database_url, dispatcher.schema, f"id IN ({gone}, {fresh})") == 0
 
 
+def _two(a: int, b: int) -> int:
+    return a + b
+
+
 def test_what_cannot_map_is_refused_at_the_call_and_writes_nothing(
-    dispatcher: Dispatcher, task: Callable[..., Any], tx: Any, database_url: str
+    dispatcher: Dispatcher,
+    task: Callable[..., Any],
+    tx: Any,
+    database_url: str,
+    celery_app: Celery,
 ) -> None:
     a, b = task(), task()
     with tx():
@@ -252,6 +260,9 @@ def test_what_cannot_map_is_refused_at_the_call_and_writes_nothing(
             a.apply_async((1,), countdown=1, eta=datetime.now(UTC))
         with pytest.raises(InvalidPayload, match="cannot be written as JSON"):
             a.delay(object())
+        typed = celery_app.task(name=f"shop.typed{uuid.uuid4().hex[:6]}", base=OutboxTask)(_two)
+        with pytest.raises(TypeError):  # Celery's own argument check, at the call
+            typed.delay(1)
     assert count_rows(database_url, dispatcher.schema) == 0
 
 
