@@ -20,7 +20,7 @@ from .appload import load_dispatcher
 from .errors import OutboxError
 from .logs import mask_dsn
 from .migrations import migrate
-from .tables import table
+from .tables import pruning_progress, table
 
 CONNECT_TIMEOUT = 5  # seconds the CLI waits for the database before saying why it cannot
 DB_ENV = "OUTBOX_DATABASE_URL"
@@ -195,12 +195,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     dispatcher = _dispatcher(args)
-
-    def progress(family: str, deleted: int) -> None:
-        if not args.json:
-            print(f"prune: {family}: {_rows_text(deleted)} deleted so far", file=sys.stderr)
-
-    total = dispatcher.prune(batch=args.batch, max_batches=1_000_000, progress=progress)
+    with pruning_progress(quiet=args.json) as progress:
+        total = dispatcher.prune(batch=args.batch, max_batches=1_000_000, progress=progress)
     _emit(args, total, f"pruned {_rows_text(sum(total.values()))} {total or ''}".strip())
     return 0
 

@@ -103,3 +103,29 @@ def test_json_cut_short_by_head_ends_quietly(clean_acc: dict[str, str]) -> None:
     )
     assert len(pipeline.stdout) == 100
     assert pipeline.stderr == ""  # no BrokenPipeError traceback
+
+
+def test_prune_shows_its_progress_per_family_and_the_status_table_is_aligned(
+    clean_acc: dict[str, str],
+) -> None:
+    env = clean_acc
+    schema = env["OUTBOX_TEST_SCHEMA"]
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(
+            f'INSERT INTO "{schema}".outbox (family, command, payload, due_at, done_at)'
+            " SELECT 'custom', 'acc.custom', '{}', now(), now() - interval '1 hour'"
+            " FROM generate_series(1, 25)"
+        )
+    pruned = cli(env, "prune", "--batch", "10")
+    assert pruned.returncode == 0, pruned.stderr
+    assert pruned.stdout.startswith("pruned 25 rows")
+    # the progress's last state: the family and its count (a live line on a terminal)
+    assert "prune: custom: 25 rows deleted" in pruned.stderr
+    quiet = cli(env, "prune", "--json")
+    assert quiet.returncode == 0 and quiet.stderr == "" and json.loads(quiet.stdout) == {}
+    lines = cli(env, "status").stdout.splitlines()
+    assert set(lines[1].replace(" ", "")) == {"─"}  # the rule under the header
+    header, rows = lines[0], lines[2:]
+    assert all(len(r) <= len(lines[1]) for r in rows)
+    queued = header.index("queued")  # every row's value starts under its column
+    assert all(r[queued] != " " for r in rows)
