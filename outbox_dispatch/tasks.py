@@ -95,7 +95,7 @@ class OutboxTask(Task):  # type: ignore[misc]
             outside = self.outbox_outside or dispatcher.task_outside
             if outside == CELERY:
                 return plain()
-            if outside == RAISE:
+            if outside == RAISE and not _from_beat(options):  # beat has no transaction
                 raise OutsideTransaction(
                     f"{self.name} was called outside a transaction, and its outbox_outside is "
                     "'raise': call it inside `transaction.atomic()` (Django) or `with "
@@ -103,6 +103,13 @@ class OutboxTask(Task):  # type: ignore[misc]
                 )
         row_id = dispatcher.enqueue_call(conn, self.name, call, family)
         return EnqueuedTask(call.dedupe_key or f"outbox:{row_id}", row_id, self.name)
+
+
+def _from_beat(options: dict[str, Any]) -> bool:
+    """A periodic task sent by Celery beat (which marks its calls so): never in a
+    transaction, so its row is committed even where other calls must not be."""
+    headers = options.get("headers")
+    return isinstance(headers, dict) and bool(headers.get("celery_beat_task"))
 
 
 def _dispatcher_of(task: Any) -> Dispatcher:
