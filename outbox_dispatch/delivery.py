@@ -46,7 +46,8 @@ MAX_ERROR_LENGTH = 4000
 class Result:
     outcome: Outcome
     row_id: int | None
-    detail: str = ""
+    detail: str = ""  # the error of a retried or parked attempt, why a message was stale
+    due_in: float | None = None  # retried: seconds until the row is due again
 
 
 def parse_message(args: tuple[Any, ...]) -> tuple[int, UUID] | None:
@@ -273,9 +274,10 @@ class Delivery:
         settle = after_return(family, started.attempts, self.rand(), running.stop_reason())
         if not settle.delivers:
             return self._finish(started, family, settle, elapsed)
-        if defer and not family.ordered:
+        if defer and not family.ordered and running.stop_reason() is None:
             # off the hot path: nothing waits on this settle but the row's cap slot, which is
-            # given back once the settle committed (no ordered line moves on it)
+            # given back once the settle committed (no ordered line moves on it); a row
+            # cancelled while it ran settles now, so that its outcome says so
             self.deferred.add(settle.kind, started)
             event(
                 log,
@@ -306,7 +308,7 @@ class Delivery:
         try:
             with self.store.handler_transaction(started.id, started.token) as held:
                 if held is None:  # the claim no longer holds
-                    lost = Result(Outcome.LOST, started.id)
+                    lost = Result(Outcome.LOST, started.id, "the claim no longer holds")
                     _report(started, lost, delivered(family), 0.0)
                     return lost
                 conn, cancel = held
@@ -367,7 +369,8 @@ class Delivery:
     ) -> Result:
         """Apply the settle decided for an attempt, and say what it came to."""
         applied = self._settle(settle, started, family)
-        result = Result(outcome(applied), started.id, settle.error or "")
+        due_in = settle.delay if applied is SettleKind.RETRY else None
+        result = Result(outcome(applied), started.id, settle.error or "", due_in)
         _report(started, result, settle, elapsed)
         return result
 

@@ -7,13 +7,18 @@ configuration before the user has loaded theirs; what must be merged with user s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, Task
+from celery.exceptions import Ignore, Retry
 from kombu.entity import Queue
 
+from .task_states import AttemptFailed, Parked, Report, TaskState, task_state
+
 if TYPE_CHECKING:
+    from .delivery import Result
     from .listener import CommitListener
 
 DELIVER_TASK = "outbox.deliver"
@@ -21,6 +26,8 @@ CLAIM_TASK = "outbox.claim"
 CLAIM_ENTRY = "outbox-dispatch claimer"
 PRUNE_TASK = "outbox.prune"
 CRON_TASK = "outbox.cron"
+QUIET_TASKS = frozenset({CLAIM_TASK, PRUNE_TASK, CRON_TASK})  # no events, no INFO lines
+EVENTS_ON = "outbox_dispatch_task_events"  # in app.conf: the worker was started with -E
 
 
 def write_settings(app: Celery) -> None:
@@ -49,10 +56,12 @@ def _soft_defaults(app: Celery) -> None:
 
 def register_tasks(
     app: Celery,
-    deliver: Callable[[tuple[Any, ...], str | None], object],
+    deliver: Callable[[tuple[Any, ...], str | None], Sequence[Result]],
     claim: Callable[[list[str] | None], object],
 ) -> tuple[Any, Any]:
-    """The delivery task takes raw args so a garbage message reaches our check, not a TypeError."""
+    """The delivery task takes raw args so a garbage message reaches our check, not a TypeError;
+    it reports its rows' outcome as its Celery state (task_states.py). The claim task sends
+    no task events: one a second from beat would drown the deliveries in Flower."""
 
     @app.task(  # type: ignore[untyped-decorator]
         name=DELIVER_TASK,
@@ -63,24 +72,87 @@ def register_tasks(
         reject_on_worker_lost=True,
         ignore_result=True,
         typing=False,
+        throws=(Parked,),  # a parked row is logged by us, once, without Celery's traceback
     )
-    def deliver_task(self: Any, *args: Any, **_kwargs: Any) -> None:
+    def deliver_task(self: Any, *args: Any, **_kwargs: Any) -> str:
         info = getattr(self.request, "delivery_info", None) or {}
-        deliver(args, info.get("routing_key"))
+        return report(self, task_state(deliver(args, info.get("routing_key"))))
 
-    @app.task(name=CLAIM_TASK, base=Task, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
+    @app.task(  # type: ignore[untyped-decorator]
+        name=CLAIM_TASK,
+        base=Task,
+        shared=False,
+        ignore_result=True,
+        acks_late=False,
+        send_events=False,
+    )
     def claim_task(families: Any = None) -> None:
         # a wake names the family whose slot freed; beat passes nothing: every family
         names = [f for f in families if isinstance(f, str)] if isinstance(families, list) else None
         claim(names)
 
+    quiet_celery_logs()
     return deliver_task, claim_task
+
+
+def report(task: Any, state: TaskState) -> str:
+    """Hand Celery the state: a result (SUCCESS), a Retry that publishes nothing (RETRY), an
+    exception (FAILURE), or an event of its own and Ignore, which acks the message and sends
+    nothing more (REVOKED, STALE)."""
+    match state.report:
+        case Report.SUCCESS:
+            return state.text
+        case Report.RETRY:
+            raise Retry(exc=AttemptFailed(state.text), when=state.due_in)
+        case Report.FAILURE:
+            raise Parked(state.text)
+        case _:
+            if task.app.conf.get(EVENTS_ON):
+                event = "task-revoked" if state.report is Report.REVOKED else "task-stale"
+                task.send_event(event, reason=state.text, terminated=False, expired=False)
+            raise Ignore(state.text)
+
+
+class _QuietMaintenance(logging.Filter):
+    """Drops Celery's INFO lines about the maintenance tasks (beat sending them, a worker
+    receiving, finishing or discarding them); their own lines say when they did something."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO:
+            return True
+        args = record.args
+        values = (
+            args.values() if isinstance(args, dict) else args if isinstance(args, tuple) else ()
+        )
+        return not any(isinstance(v, str) and v in QUIET_TASKS for v in values)
+
+
+_QUIET = _QuietMaintenance()
+
+
+def quiet_celery_logs() -> None:
+    for logger in (
+        "celery.beat",
+        "celery.worker.strategy",
+        "celery.app.trace",
+        "celery.worker.request",
+    ):
+        log = logging.getLogger(logger)
+        if _QUIET not in log.filters:
+            log.addFilter(_QUIET)
 
 
 def register_periodic(app: Celery, name: str, fn: Callable[[], object]) -> Any:
     """A maintenance task (prune, cron) that beat schedules on the claim queue."""
 
-    @app.task(name=name, base=Task, shared=False, ignore_result=True, acks_late=False)  # type: ignore[untyped-decorator]
+    @app.task(  # type: ignore[untyped-decorator]
+        name=name,
+        base=Task,
+        shared=False,
+        ignore_result=True,
+        acks_late=False,
+        send_events=False,
+    )
     def periodic() -> None:
         fn()
 
@@ -145,6 +217,20 @@ def on_worker_exit(fn: Callable[[], None]) -> None:
 
     signals.worker_process_shutdown.connect(handler, weak=False)
     signals.worker_shutdown.connect(handler, weak=False)
+
+
+def install_events_step(app: Any) -> None:
+    """Record in app.conf whether this worker sends task events (``-E``), so that its pool
+    processes (forked after this step) send the delivery states of their own (STALE, and
+    REVOKED for a cancel) only to a Flower that also sees the tasks' other events."""
+    from celery import bootsteps
+
+    class OutboxTaskEvents(bootsteps.Step):  # type: ignore[misc]
+        def __init__(self, parent: Any, **kwargs: Any) -> None:
+            super().__init__(parent, **kwargs)
+            app.conf[EVENTS_ON] = bool(getattr(parent, "task_events", False))
+
+    app.steps["worker"].add(OutboxTaskEvents)
 
 
 def install_listener_step(app: Any, make: Callable[[], CommitListener]) -> None:

@@ -1,0 +1,149 @@
+"""Flower tells the truth and stays quiet, read from a real Flower process's HTTP API against
+a real prefork worker with task events on (and beat): each delivery is named
+``<family>:<command>`` with its row, actor and attempt; its state is the row's outcome
+(delivered SUCCESS, a retried attempt RETRY with its error, parked FAILURE, cancelled
+REVOKED, a stale message STALE); a batched message's result lists its rows' outcomes; and no
+maintenance task (claim, prune, cron) is listed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_dispatch import Message
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tasks(port: int) -> dict[str, dict[str, Any]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/tasks", timeout=5) as r:
+        found: dict[str, dict[str, Any]] = json.load(r)
+    return found
+
+
+def test_flower_shows_each_deliverys_true_state_and_no_maintenance_tasks(
+    clean_acc: dict[str, str],
+    spawn: Callable[..., Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = {**clean_acc, "FLOWER_UNAUTHENTICATED_API": "true"}
+    for key in (
+        "OUTBOX_TEST_DATABASE_URL",
+        "OUTBOX_TEST_SCHEMA",
+        "OUTBOX_TEST_REDIS_URL",
+        "OUTBOX_TEST_KEY_PREFIX",
+    ):
+        monkeypatch.setenv(key, env[key])
+    port = _free_port()
+    app_arg = ["-m", "celery", "-A", "tests.acceptance.flower_app"]
+    spawn(
+        [sys.executable, *app_arg, "flower", "--address=127.0.0.1", f"--port={port}"], env, "flower"
+    )
+    worker = spawn(
+        [
+            sys.executable,
+            *app_arg,
+            "worker",
+            "-B",
+            "-E",
+            "-c",
+            "2",
+            "--loglevel",
+            "INFO",
+            "-s",
+            str(tmp_path / "beat-schedule"),
+        ],
+        env,
+        "worker",
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # Flower up, and the worker's events reaching it
+        try:
+            _tasks(port)
+            break
+        except OSError:
+            time.sleep(0.2)
+
+    from tests.acceptance.flower_app import dispatcher
+
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:
+        with conn.transaction():
+            ids = {
+                cmd: dispatcher.enqueue(conn, cmd, {}, actor=f"shop:{i}")
+                for i, cmd in enumerate(["fl.ok", "fl.flaky", "fl.park", "fl.slow"])
+            }
+            batch = dispatcher.enqueue_many(conn, [Message("fl.batch", {}) for _ in range(30)])
+        # the slow row is cancelled once it runs
+        for _ in range(200):
+            started = conn.execute(
+                f'SELECT started_at FROM "{dispatcher.schema}".outbox WHERE id = %s',
+                (ids["fl.slow"],),
+            ).fetchone()
+            if started and started[0] is not None:
+                break
+            time.sleep(0.05)
+        with conn.transaction():
+            dispatcher.cancel(conn, ids["fl.slow"], reason="customer left")
+    # a message whose claim token is not the row's: dropped as stale
+    forged = dispatcher._deliver_task.apply_async(
+        (ids["fl.ok"], str(uuid.uuid4())), queue="outbox.seen", shadow="seen:fl.ok"
+    )
+
+    def by_name() -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for task_id, t in _tasks(port).items():
+            out.setdefault(str(t.get("name")), []).append({**t, "id": task_id})
+        return out
+
+    def states(name: str) -> list[str]:
+        return sorted(str(t["state"]) for t in by_name().get(name, []))
+
+    want = {
+        "seen:fl.ok": ["STALE", "SUCCESS"],
+        "seen:fl.flaky": ["RETRY", "SUCCESS"],
+        "seen:fl.park": ["FAILURE"],
+        "seen:fl.slow": ["REVOKED"],
+    }
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(states(n) == s for n, s in want.items()):
+            break
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+        time.sleep(0.3)
+    seen = by_name()
+    assert {n: states(n) for n in want} == want, (tmp_path / "worker.log").read_text()[-3000:]
+    ok = next(t for t in seen["seen:fl.ok"] if t["state"] == "SUCCESS")
+    assert ok["result"] == "'delivered'"
+    assert ok["args"] == f"(row={ids['fl.ok']}, actor='shop:0', attempt=1)"
+    retried = next(t for t in seen["seen:fl.flaky"] if t["state"] == "RETRY")
+    assert "provider down" in retried["exception"]
+    assert "bad address" in seen["seen:fl.park"][0]["exception"]
+    stale = next(t for t in seen["seen:fl.ok"] if t["state"] == "STALE")
+    assert stale["id"] == forged.id
+    batched = [t for n, ts in seen.items() if n.startswith("bulk:fl.batch") for t in ts]
+    assert batched and all(t["state"] == "SUCCESS" for t in batched)
+    listed = [row for t in batched for row in json.loads(_ids(t["result"]))]
+    assert sorted(listed) == sorted(batch)
+    assert not [n for n in seen if n.startswith("outbox.") or n in ("None", "")], sorted(seen)
+
+
+def _ids(result: str) -> str:
+    """The row ids of a batched message's result ('delivered [1, 2]'), as a JSON list."""
+    text = result.strip("'\"")
+    assert text.startswith("delivered ["), text
+    return text.removeprefix("delivered ")
