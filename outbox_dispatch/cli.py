@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from . import operations
 from .appload import load_dispatcher
 from .errors import OutboxError
 from .logs import mask_dsn
@@ -55,22 +56,6 @@ def _dispatcher(args: argparse.Namespace) -> Any:
     dispatcher, _ = load_dispatcher(args.app)
     _reachable(dispatcher)
     return dispatcher
-
-
-def _why_not(dispatcher: Any, row_id: int, action: str) -> str:
-    """Why ``action`` matched nothing for a row, in the operator's terms."""
-    state = dispatcher.store.row_state(row_id)
-    if state is None:
-        return f"row {row_id} does not exist (delivered rows are deleted unless kept by retention)"
-    if state == "parked":
-        if action == "cancel":
-            return f"row {row_id} is parked: parked rows are purged, not cancelled"
-        return f"row {row_id} is parked"
-    if state == "cancelled":
-        return f"row {row_id} is already cancelled"
-    if state == "done":
-        return f"row {row_id} was delivered (kept by its family's retention)"
-    return f"row {row_id} is not parked: only parked rows can be retried or purged"
 
 
 def _emit(args: argparse.Namespace, data: Any, rendered: str) -> None:
@@ -148,49 +133,37 @@ def cmd_parked(args: argparse.Namespace) -> int:
     if not ids and not args.all:
         raise OutboxError(f"parked {args.parked_cmd}: name row ids, or pass --all")
     if args.parked_cmd == "retry":
-        done = dispatcher.parked_retry(ids=ids, family=args.family)
+        done = operations.retry_parked(dispatcher, ids, args.family)
         verb = "due again (attempts reset)"
     else:
-        done = dispatcher.parked_purge(ids=ids, family=args.family)
+        done = operations.purge_parked(dispatcher, ids, args.family)
         verb = "deleted"
-    missing = sorted(set(ids or []) - set(done))
-    reasons = [_why_not(dispatcher, i, args.parked_cmd) for i in missing]
-    text = "; ".join([f"{_rows_text(len(done))} {verb}", *reasons])
-    _emit(args, {"ids": done, "missing": missing, "reasons": reasons}, text)
-    return 1 if missing or not done else 0
+    missing = sorted(set(ids or []) - set(done.ids))
+    text = "; ".join([f"{_rows_text(len(done.ids))} {verb}", *done.reasons])
+    _emit(args, {"ids": done.ids, "missing": missing, "reasons": done.reasons}, text)
+    return 1 if done.missed else 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    import psycopg
-
     dispatcher = _dispatcher(args)
     if not args.ids and not args.dedupe_key and not args.actor:
         raise OutboxError("cancel: name row ids, --dedupe-key, or --actor (with --command)")
-    cancelled: list[int] = []
-    requested: list[int] = []
-    with psycopg.connect(dispatcher.database_url) as conn, conn.transaction():
-        for row_id in args.ids or [None]:
-            result = dispatcher.cancel(
-                conn,
-                row_id,
-                dedupe_key=args.dedupe_key,
-                actor=args.actor,
-                command=args.command_name,
-                reason=args.reason,
-                by=args.by or os.environ.get("USER") or "outbox-dispatch cli",
-            )
-            cancelled += result.cancelled
-            requested += result.requested
-    text = f"{_rows_text(len(cancelled))} cancelled"
-    if requested:
-        text += f"; {_rows_text(len(requested))} running asked to stop: {requested}"
-    matched = set(cancelled) | set(requested)
-    reasons = [_why_not(dispatcher, i, "cancel") for i in args.ids if i not in matched]
-    if not matched and not args.ids:
-        reasons.append("no pending or running row matched")
-    text = "; ".join([text, *reasons])
-    _emit(args, {"cancelled": cancelled, "requested": requested, "reasons": reasons}, text)
-    return 1 if reasons else 0
+    done = operations.cancel(
+        dispatcher,
+        args.ids or None,
+        dedupe_key=args.dedupe_key,
+        actor=args.actor,
+        command=args.command_name,
+        reason=args.reason,
+        by=args.by or os.environ.get("USER") or "outbox-dispatch cli",
+    )
+    text = f"{_rows_text(len(done.ids))} cancelled"
+    if done.requested:
+        text += f"; {_rows_text(len(done.requested))} running asked to stop: {done.requested}"
+    text = "; ".join([text, *done.reasons])
+    data = {"cancelled": done.ids, "requested": done.requested, "reasons": done.reasons}
+    _emit(args, data, text)
+    return 1 if done.missed else 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
