@@ -13,7 +13,35 @@ _db = conninfo_to_dict(DATABASE_URL)
 _schema = os.environ.get("OUTBOX_TEST_DJANGO_SCHEMA", "public")
 
 SECRET_KEY = "outbox-dispatch-tests-only"
-INSTALLED_APPS = ["outbox_dispatch.contrib.django", "tests.django_project.shop"]
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "outbox_dispatch.contrib.django",
+    "tests.django_project.shop",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+ROOT_URLCONF = "tests.django_project.urls"
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.postgresql",

@@ -20,6 +20,8 @@ from celery.signals import before_task_publish
 
 from outbox_dispatch import Backoff, Context, Dispatcher
 
+from .django_support import listening, order_model, orders  # noqa: F401 (for the Django tests)
+
 
 @dataclass
 class Effects:

@@ -1,0 +1,107 @@
+"""The outbox in Django's admin: rows by family and state, searched by id, actor, command or
+dedupe key, read-only (payload and last error included), with the operator's actions (retry
+parked, purge parked, cancel) going through operations.py, the same code as the CLI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from ... import operations
+from .apps import get_dispatcher
+from .models import STATES, OutboxRow, bind_schema, readable
+
+
+class StateFilter(admin.SimpleListFilter):  # type: ignore[misc]
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(key, label) for key, (label, _q) in STATES.items()]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        chosen = STATES.get(self.value() or "")
+        return queryset if chosen is None else queryset.filter(chosen[1])
+
+
+@admin.register(OutboxRow)
+class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
+    list_display = ("id", "family", "command", "actor", "state", "attempts", "due", "error")
+    list_filter = ("family", StateFilter)
+    search_fields = ("=actor", "command", "=dedupe_key")
+    actions = ("retry_parked", "purge_parked", "cancel_rows")
+    list_per_page = 50
+    show_full_result_count = False  # a count(*) of a large outbox on every page is slow
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        bind_schema(get_dispatcher().schema)
+        return readable(super().get_queryset(request))
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        term = search_term.strip()
+        if term.isdigit():  # a row id
+            return queryset.filter(id=int(term)), False
+        result: tuple[QuerySet[Any], bool] = super().get_search_results(
+            request, queryset, search_term
+        )
+        return result
+
+    @admin.display(description="due at")  # type: ignore[untyped-decorator]
+    def due(self, row: OutboxRow) -> Any:
+        return getattr(row, "due", None) or "behind its actor's head"
+
+    @admin.display(description="last error")  # type: ignore[untyped-decorator]
+    def error(self, row: OutboxRow) -> str:
+        text = row.last_error or ""
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    # read-only: rows change through the Dispatcher only (a save would write every column
+    # back, racing the worker that holds the row)
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name if f.name != "due_at" else "due" for f in OutboxRow._meta.fields]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return self.get_fields(request, obj)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # purge parked rows instead: it keeps ordered lines moving
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return obj is None and bool(super().has_change_permission(request, obj))
+
+    def _report(self, request: HttpRequest, done: operations.Done, verb: str) -> None:
+        rows = "1 row" if len(done.ids) == 1 else f"{len(done.ids)} rows"
+        self.message_user(request, f"{rows} {verb}", messages.SUCCESS)
+        for reason in done.reasons:
+            self.message_user(request, reason, messages.WARNING)
+
+    @admin.action(description="Retry the selected parked rows", permissions=["change"])  # type: ignore[untyped-decorator]
+    def retry_parked(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        ids = list(queryset.values_list("id", flat=True))
+        self._report(request, operations.retry_parked(get_dispatcher(), ids), "due again")
+
+    @admin.action(description="Purge the selected parked rows", permissions=["change"])  # type: ignore[untyped-decorator]
+    def purge_parked(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        ids = list(queryset.values_list("id", flat=True))
+        self._report(request, operations.purge_parked(get_dispatcher(), ids), "purged")
+
+    @admin.action(description="Cancel the selected rows", permissions=["change"])  # type: ignore[untyped-decorator]
+    def cancel_rows(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        ids = list(queryset.values_list("id", flat=True))
+        done = operations.cancel(
+            get_dispatcher(),
+            ids,
+            reason="cancelled in the Django admin",
+            by=f"django admin: {request.user}",
+        )
+        self._report(request, done, "cancelled")
+        if done.requested:
+            self.message_user(request, f"running, asked to stop: {done.requested}", messages.INFO)

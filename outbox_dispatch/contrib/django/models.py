@@ -1,0 +1,98 @@
+"""The outbox table as a read-only Django model, for the admin (admin.py). Unmanaged: the
+table belongs to ``outbox-dispatch migrate`` (or ``outbox_migrate``), never to Django's
+migrations, and rows change only through the Dispatcher, so ordered lines stay intact.
+
+The table's schema is the Dispatcher's, bound when the admin reads (``bind_schema``). A row
+blocked behind its actor's head is due at 'infinity', which Python cannot hold: ``due_at`` is
+only ever filtered on, and read through ``readable()``'s ``due`` (NULL for 'infinity')."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models
+from django.db.models import F, Q, QuerySet, Value
+from django.db.models.functions import Cast, Now, NullIf
+
+# The states an operator filters by, as conditions on the row (status.sql counts the same).
+LIVE = Q(parked_at__isnull=True, cancelled_at__isnull=True, done_at__isnull=True)
+STATES: dict[str, tuple[str, Q]] = {
+    "due": ("due", LIVE & Q(due_at__lte=Now(), waiting=False, blocked=False)),
+    "scheduled": (
+        "scheduled",
+        LIVE & Q(due_at__gt=Now(), claim_token__isnull=True, waiting=False, blocked=False),
+    ),
+    "in_flight": ("in flight", LIVE & Q(due_at__gt=Now(), claim_token__isnull=False)),
+    "waiting": ("waiting for a cap slot", LIVE & Q(waiting=True)),
+    "blocked": ("blocked behind its actor's head", LIVE & Q(blocked=True)),
+    "parked": ("parked", Q(parked_at__isnull=False)),
+    "done": ("delivered (kept by retention)", Q(done_at__isnull=False)),
+    "cancelled": ("cancelled", Q(cancelled_at__isnull=False)),
+}
+
+
+class OutboxRow(models.Model):  # type: ignore[misc]
+    id = models.BigIntegerField(primary_key=True)
+    family = models.TextField()
+    command = models.TextField()
+    actor = models.TextField(null=True)
+    payload = models.JSONField()
+    dedupe_key = models.TextField(null=True)
+    due_at = models.DateTimeField()
+    attempts = models.IntegerField()
+    lost_attempts = models.IntegerField()
+    claim_token = models.UUIDField(null=True)
+    claimed_at = models.DateTimeField(null=True)
+    started_at = models.DateTimeField(null=True)
+    last_error = models.TextField(null=True)
+    maybe_applied = models.BooleanField()
+    progress = models.JSONField(null=True)
+    waiting = models.BooleanField()
+    blocked = models.BooleanField()
+    created_at = models.DateTimeField()
+    parked_at = models.DateTimeField(null=True)
+    cancelled_at = models.DateTimeField(null=True)
+    cancel_reason = models.TextField(null=True)
+    cancelled_by = models.TextField(null=True)
+    done_at = models.DateTimeField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = '"outbox"."outbox"'
+        app_label = "outbox_dispatch"
+        verbose_name = "outbox row"
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"row {self.id} ({self.family}:{self.command})"
+
+    @property
+    def state(self) -> str:
+        """The row's state, in the words of the admin's filter."""
+        from django.utils import timezone
+
+        if self.parked_at is not None:
+            return "parked"
+        if self.cancelled_at is not None:
+            return "cancelled"
+        if self.done_at is not None:
+            return "done"
+        if self.waiting:
+            return "waiting"
+        if self.blocked:
+            return "blocked"
+        due = getattr(self, "due", None)
+        if due is not None and due > timezone.now():
+            return "in flight" if self.claim_token is not None else "scheduled"
+        return "due"
+
+
+def readable(rows: QuerySet[Any]) -> QuerySet[Any]:
+    """Rows with ``due`` in place of ``due_at``, which may be 'infinity'."""
+    infinity = Cast(Value("infinity"), models.DateTimeField())
+    return rows.defer("due_at").annotate(due=NullIf(F("due_at"), infinity))
+
+
+def bind_schema(schema: str) -> None:
+    """Point the model at the Dispatcher's schema (an identifier it has checked)."""
+    OutboxRow._meta.db_table = f'"{schema}"."outbox"'
