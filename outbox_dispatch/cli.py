@@ -7,6 +7,7 @@ and exit 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -208,6 +209,18 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_web(args: argparse.Namespace) -> int:
+    """Serve the operator page until interrupted; never without credentials."""
+    from .web import WebApp, parse_credentials, serve
+
+    user, password = parse_credentials(args.auth or os.environ.get("OUTBOX_WEB_AUTH"))
+    dispatcher = _dispatcher(args)
+    print(f"serving http://{args.addr}:{args.port}/ as {user!r} (Ctrl-C stops)", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        serve(WebApp(dispatcher, user=user, password=password), args.addr, args.port)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo.run import run_demo
 
@@ -333,6 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=9808)
     p.add_argument("--addr", default="0.0.0.0")  # noqa: S104 (a metrics endpoint listens)
     p.set_defaults(fn=cmd_metrics)
+
+    p = sub.add_parser(
+        "web", parents=ours, help="the operator page: status, parked rows, a row's history"
+    )
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--addr", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--auth", help="user:password (default: $OUTBOX_WEB_AUTH); required")
+    p.set_defaults(fn=cmd_web)
 
     p = sub.add_parser(
         "demo", parents=ours, help="the demo: a real workload through worker and beat"

@@ -1,10 +1,12 @@
 """The row types the store returns: what a claim leased, what a delivery started, what
-status counts. Plain data, so the claimer, publisher, heartbeat and deferred settles use them
-without importing the I/O module."""
+status counts, and an operator's view of one row. Plain data, so the claimer, publisher,
+heartbeat and deferred settles use them without importing the I/O module."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -77,3 +79,63 @@ class FamilyStatus:
     waiting: int = 0  # capped rows whose actor is at its cap
     blocked: int = 0  # ordered rows behind their actor's head
     actors_at_cap: int = 0
+
+
+# -- an operator's view of one row (pure): its state, and what happened to it when ------------
+
+STATE_WORDS = {
+    "due": "due",
+    "scheduled": "scheduled",
+    "in_flight": "in flight",
+    "waiting": "waiting for a cap slot",
+    "blocked": "blocked behind its actor's head",
+    "parked": "parked",
+    "done": "delivered (kept by retention)",
+    "cancelled": "cancelled",
+}
+
+
+def state_of(row: Mapping[str, Any], now: datetime) -> str:
+    """A row's state (a key of STATE_WORDS), from its columns; ``due_at`` None means
+    'infinity' (blocked)."""
+    if row.get("parked_at") is not None:
+        return "parked"
+    if row.get("cancelled_at") is not None:
+        return "cancelled"
+    if row.get("done_at") is not None:
+        return "done"
+    if row.get("waiting"):
+        return "waiting"
+    if row.get("blocked"):
+        return "blocked"
+    due = row.get("due_at")
+    if due is not None and due > now:
+        return "in_flight" if row.get("claimed") or row.get("claim_token") else "scheduled"
+    return "due"
+
+
+def history(row: Mapping[str, Any]) -> list[tuple[datetime, str]]:
+    """What the row's columns say happened to it, oldest first: enqueued, the last claim and
+    start, and how it ended (or when it is due)."""
+    events: list[tuple[datetime, str]] = []
+
+    def add(column: str, text: str) -> None:
+        when = row.get(column)
+        if when is not None:
+            events.append((when, text))
+
+    attempts = int(row.get("attempts") or 0)
+    add("created_at", f"enqueued (command {row.get('command')}, actor {row.get('actor') or '-'})")
+    add("claimed_at", f"claimed for attempt {attempts + (0 if row.get('started_at') else 1)}")
+    add("started_at", f"attempt {attempts} started")
+    error = row.get("last_error")
+    add("parked_at", f"parked after {attempts} attempts: {error or 'no error recorded'}")
+    who = row.get("cancelled_by") or "someone"
+    why = row.get("cancel_reason") or "no reason given"
+    add("cancelled_at", f"cancelled by {who}: {why}")
+    add("done_at", "delivered")
+    live = all(row.get(c) is None for c in ("parked_at", "cancelled_at", "done_at"))
+    if live and not row.get("claimed"):
+        again = f" (last error: {error})" if attempts and error else ""
+        add("due_at", ("due again" if attempts else "due") + again)
+    return sorted(events, key=lambda e: e[0])

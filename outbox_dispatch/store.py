@@ -625,6 +625,17 @@ class Store:
             rows = conn.execute(self.q["claim_families_due"], {"families": list(families)})
             return {str(r[0]) for r in rows.fetchall()}
 
+    def find_rows(self, text: str, families: list[str], *, limit: int = 50) -> list[dict[str, Any]]:
+        """Rows whose id, exact actor (in ``families``) or exact dedupe key is ``text``."""
+        row_id = int(text) if text.isdigit() and len(text) < 19 else None
+        params = {"id": row_id, "text": text, "families": families, "limit": limit}
+        with (
+            translated("find rows"),
+            self.connection() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(self.q["status_find_rows"], params).fetchall())
+
     def row_state(self, row_id: int) -> str | None:
         """``parked``, ``cancelled``, ``done`` or ``live``; None when there is no such row."""
         with translated("row state"), self.connection() as conn:

@@ -63,3 +63,17 @@ RETURNING id, family, actor;
 -- Why an operation on a row matched nothing: what the row is now, if it exists.
 SELECT parked_at IS NOT NULL, cancelled_at IS NOT NULL, done_at IS NOT NULL
 FROM __SCHEMA__.outbox WHERE id = %(id)s;
+
+-- name: status_find_rows
+-- An operator's search: a row id, or an exact actor or dedupe key (the actor through its
+-- per-family index). A row blocked behind its actor's head is due at 'infinity': NULL here.
+SELECT id, family, command, actor, dedupe_key, payload, attempts, lost_attempts, last_error,
+    maybe_applied, NULLIF(due_at, 'infinity') AS due_at, claim_token IS NOT NULL AS claimed,
+    claimed_at, started_at, created_at, parked_at, cancelled_at, cancel_reason, cancelled_by,
+    done_at, waiting, blocked, progress
+FROM __SCHEMA__.outbox
+WHERE id = %(id)s
+   OR (family = ANY(%(families)s::text[]) AND actor = %(text)s)
+   OR dedupe_key = %(text)s
+ORDER BY id DESC
+LIMIT %(limit)s;

@@ -8,6 +8,7 @@ maintenance task (claim, prune, cron, an expired claim message) is listed."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -145,6 +146,26 @@ def test_flower_shows_each_deliverys_true_state_and_no_maintenance_tasks(
     listed = [row for t in batched for row in json.loads(_ids(t["result"]))]
     assert sorted(listed) == sorted(batch)
     assert not [n for n in seen if n.startswith("outbox.") or n in ("None", "")], sorted(seen)
+    shots = os.environ.get("OUTBOX_SCREENSHOTS")  # scripts/screenshots, for the docs
+    if shots:
+        _screenshot_tasks(port, Path(shots) / "flower-tasks.png")
+
+
+def _screenshot_tasks(port: int, path: Path) -> None:
+    """Flower's task list, as an operator sees it (only when asked for: it needs Chromium)."""
+    from selenium.webdriver.common.by import By
+
+    from .conftest import chrome
+
+    with chrome() as browser:
+        browser.set_window_size(1400, 1150)
+        browser.get(f"http://127.0.0.1:{port}/tasks")
+        deadline = time.monotonic() + 20
+        while len(browser.find_elements(By.CSS_SELECTOR, "#tasks-table tbody tr")) < 5:
+            assert time.monotonic() < deadline, "Flower's task table did not fill"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        browser.save_screenshot(str(path))
 
 
 def _ids(result: str) -> str:

@@ -14,21 +14,21 @@ from django.db import models
 from django.db.models import F, Q, QuerySet, Value
 from django.db.models.functions import Cast, Now, NullIf
 
-# The states an operator filters by, as conditions on the row (status.sql counts the same).
+from ...rows import STATE_WORDS, state_of
+
+# The states an operator filters by (rows.STATE_WORDS), as conditions on the row.
 LIVE = Q(parked_at__isnull=True, cancelled_at__isnull=True, done_at__isnull=True)
-STATES: dict[str, tuple[str, Q]] = {
-    "due": ("due", LIVE & Q(due_at__lte=Now(), waiting=False, blocked=False)),
-    "scheduled": (
-        "scheduled",
-        LIVE & Q(due_at__gt=Now(), claim_token__isnull=True, waiting=False, blocked=False),
-    ),
-    "in_flight": ("in flight", LIVE & Q(due_at__gt=Now(), claim_token__isnull=False)),
-    "waiting": ("waiting for a cap slot", LIVE & Q(waiting=True)),
-    "blocked": ("blocked behind its actor's head", LIVE & Q(blocked=True)),
-    "parked": ("parked", Q(parked_at__isnull=False)),
-    "done": ("delivered (kept by retention)", Q(done_at__isnull=False)),
-    "cancelled": ("cancelled", Q(cancelled_at__isnull=False)),
+CONDITIONS: dict[str, Q] = {
+    "due": LIVE & Q(due_at__lte=Now(), waiting=False, blocked=False),
+    "scheduled": LIVE & Q(due_at__gt=Now(), claim_token__isnull=True, waiting=False, blocked=False),
+    "in_flight": LIVE & Q(due_at__gt=Now(), claim_token__isnull=False),
+    "waiting": LIVE & Q(waiting=True),
+    "blocked": LIVE & Q(blocked=True),
+    "parked": Q(parked_at__isnull=False),
+    "done": Q(done_at__isnull=False),
+    "cancelled": Q(cancelled_at__isnull=False),
 }
+STATES: dict[str, tuple[str, Q]] = {k: (STATE_WORDS[k], q) for k, q in CONDITIONS.items()}
 
 
 class OutboxRow(models.Model):  # type: ignore[misc]
@@ -68,23 +68,16 @@ class OutboxRow(models.Model):  # type: ignore[misc]
 
     @property
     def state(self) -> str:
-        """The row's state, in the words of the admin's filter."""
+        """The row's state, in the words of the admin's filter (rows.state_of)."""
         from django.utils import timezone
 
-        if self.parked_at is not None:
-            return "parked"
-        if self.cancelled_at is not None:
-            return "cancelled"
-        if self.done_at is not None:
-            return "done"
-        if self.waiting:
-            return "waiting"
-        if self.blocked:
-            return "blocked"
-        due = getattr(self, "due", None)
-        if due is not None and due > timezone.now():
-            return "in flight" if self.claim_token is not None else "scheduled"
-        return "due"
+        fields = {f: getattr(self, f) for f in _STATE_FIELDS}
+        return STATE_WORDS[
+            state_of({**fields, "due_at": getattr(self, "due", None)}, timezone.now())
+        ]
+
+
+_STATE_FIELDS = ("parked_at", "cancelled_at", "done_at", "waiting", "blocked", "claim_token")
 
 
 def readable(rows: QuerySet[Any]) -> QuerySet[Any]:
