@@ -225,7 +225,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo.run import run_demo
 
     return run_demo(
-        rows=args.rows, workers=args.workers, timeout=args.timeout, external=args.external
+        rows=args.rows,
+        workers=args.workers,
+        timeout=args.timeout,
+        external=args.external,
+        events=args.events,
     )
 
 
@@ -364,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--external", action="store_true", help="use a running worker and beat (compose stack)"
     )
+    p.add_argument("--events", action="store_true", help="the worker sends task events (Flower)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser(

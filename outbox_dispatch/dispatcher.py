@@ -412,7 +412,8 @@ class Dispatcher:
         task = self.app.tasks.get(command)  # finalizes the app: only ever at delivery
         if task is None:
             return None
-        return Registration(command, self.task_family, partial(tasks.run_task, task), task=True)
+        run = partial(tasks.run_task, task, self.queue_name)
+        return Registration(command, self.task_family, run, task=True)
 
     def _shown_name(self, family: Family, command: str) -> str:
         """Flower's name for a delivery: ``<family>:<command>``, a task's calls its own name."""

@@ -11,6 +11,7 @@ options mean; this module does the writing and the running.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -205,10 +206,11 @@ class EnqueuedTask:
         raise self._refuse()
 
 
-def run_task(task: Any, ctx: Context, payload: Any) -> None:
+def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: Any) -> None:
     """A row of a task call: the task's own function with its args and kwargs, inside a
     request like Celery's (``self.request.id`` the call's id, ``retries`` the attempts
-    before this one, ``outbox`` the delivery's Context). The request is marked eager so
+    before this one, ``outbox`` the delivery's Context, ``delivery_info`` the family's queue,
+    from ``queue_of``). The request is marked eager so
     that ``self.retry()`` raises its Retry rather than publishing a message: the row is
     retried instead, after the delay the Retry asked for."""
     from celery._state import _task_stack  # what celery.current_task reads
@@ -238,7 +240,7 @@ def run_task(task: Any, ctx: Context, payload: Any) -> None:
         kwargs=call.kwargs,
         is_eager=True,
         called_directly=False,
-        delivery_info={"routing_key": ctx.family, "is_eager": False},
+        delivery_info={"exchange": "", "routing_key": queue_of(ctx.family)},
         outbox=ctx,
     )
     _task_stack.push(task)

@@ -128,7 +128,11 @@ def _wait_for_worker(app: Any, procs: list[subprocess.Popen[bytes]], timeout: fl
 
 
 def run_demo(
-    rows: int = 3000, workers: int = 2, timeout: float = 180.0, external: bool = False
+    rows: int = 3000,
+    workers: int = 2,
+    timeout: float = 180.0,
+    external: bool = False,
+    events: bool = False,
 ) -> int:
     from outbox_dispatch.demo import app as demo
 
@@ -151,6 +155,7 @@ def run_demo(
             logdir = tempfile.mkdtemp(prefix="outbox-demo-")
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             worker_args = ["worker", "-c", str(workers), "--loglevel", "WARNING", "-n", "demo@%h"]
+            worker_args += ["-E"] if events else []  # for a Flower watching the demo
             procs.append(_start(worker_args, env, f"{logdir}/worker.log"))
             beat_args = ["beat", "--loglevel", "WARNING", "-s", f"{logdir}/beat-schedule"]
             procs.append(_start(beat_args, env, f"{logdir}/beat.log"))

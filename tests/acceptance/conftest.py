@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -18,9 +17,9 @@ import redis
 
 from outbox_dispatch.migrations import migrate
 
+from .browser import chrome
+
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
-DRIVER = "/usr/bin/chromedriver"
 
 
 @pytest.fixture(scope="session")
@@ -94,36 +93,6 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
-
-
-@contextmanager
-def chrome() -> Iterator[Any]:
-    """Headless Debian Chromium through Selenium (scripts/browser installs both)."""
-    if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
-        pytest.fail("Chromium and chromedriver are missing: scripts/test installs them")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1100,700",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    driver.set_page_load_timeout(20)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture

@@ -155,7 +155,7 @@ def _screenshot_tasks(port: int, path: Path) -> None:
     """Flower's task list, as an operator sees it (only when asked for: it needs Chromium)."""
     from selenium.webdriver.common.by import By
 
-    from .conftest import chrome
+    from .browser import chrome
 
     with chrome() as browser:
         browser.set_window_size(1400, 1150)

@@ -120,6 +120,7 @@ def test_a_call_in_a_transaction_runs_the_task_with_its_own_args_after_the_commi
     request = seen["request"]
     assert request.id == result.id and request.retries == 0
     assert request.outbox.row_id == result.row_id and request.outbox.attempt == 1
+    assert request.delivery_info["routing_key"] == "outbox.job"
     assert count_rows(database_url, dispatcher.schema) == 0  # delivered: deleted
     with pytest.raises(ResultsNotSupported, match="keeps no task results"):
         result.get(timeout=1)
