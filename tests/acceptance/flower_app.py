@@ -16,6 +16,7 @@ dispatcher.family(
 dispatcher.family("bulk", batch=10)
 
 
+@dispatcher.handler("fl.probe", family="seen")  # the test's probe: Flower sees the events
 @dispatcher.handler("fl.ok", family="seen")
 def ok(ctx: Context, payload: Any) -> None:
     pass
