@@ -164,7 +164,6 @@ class Dispatcher:
         self.schedules: dict[str, Schedule] = {}
         self._cron_task = wiring.register_periodic(app, wiring.CRON_TASK, self.run_cron)
         wiring.on_configured(app, self._apply_queues)
-        wiring.install_events_step(app)
         self.listen = listen
         if listen:
             wiring.install_listener_step(app, self.commit_listener)

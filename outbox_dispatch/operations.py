@@ -42,6 +42,8 @@ def why_not(dispatcher: Dispatcher, row_id: int, action: str) -> str:
         return f"row {row_id} is already cancelled"
     if state == "done":
         return f"row {row_id} was delivered (kept by its family's retention)"
+    if action == "cancel":
+        return f"row {row_id} was not cancelled: it may already have been asked to stop"
     return f"row {row_id} is not parked: only parked rows can be retried or purged"
 
 
@@ -69,6 +71,8 @@ def cancel(
 ) -> Done:
     """Cancel rows by id, dedupe key or actor in one transaction of its own: rows nobody
     delivers are cancelled at once, running ones asked to stop."""
+    if ids is not None and not ids and dedupe_key is None and actor is None:
+        return Done([], ["no row named"])  # an empty selection cancels nothing, never all
     cancelled: list[int] = []
     requested: list[int] = []
     with psycopg.connect(dispatcher.database_url) as conn, conn.transaction():

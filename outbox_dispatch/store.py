@@ -627,7 +627,7 @@ class Store:
 
     def find_rows(self, text: str, families: list[str], *, limit: int = 50) -> list[dict[str, Any]]:
         """Rows whose id, exact actor (in ``families``) or exact dedupe key is ``text``."""
-        row_id = int(text) if text.isdigit() and len(text) < 19 else None
+        row_id = int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
         params = {"id": row_id, "text": text, "families": families, "limit": limit}
         with (
             translated("find rows"),

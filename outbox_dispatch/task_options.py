@@ -75,6 +75,7 @@ class TaskCall:
     queue: str | None
     dedupe_key: str | None
     actor: str | None
+    task_id: str | None = None  # the call's own id (``self.request.id``), kept in the payload
 
 
 def plan_call(
@@ -107,14 +108,21 @@ def plan_call(
     expires = options.get("expires")
     if expires is not None:
         payload["expires"] = _expiry(name, expires, now, tz).isoformat()
+    task_id = _text(name, "task_id", options.get("task_id"))
+    if task_id is not None:
+        payload["id"] = task_id
+    # a task_id dedupes calls of this task only (the dedupe key is global); dedupe_key wins
+    dedupe = _text(name, "dedupe_key", options.get("dedupe_key"))
+    if dedupe is None and task_id is not None:
+        dedupe = f"{name}:{task_id}"
     return TaskCall(
         payload=payload,
         delay=delay,
         at=at,
         queue=_queue_name(name, options.get("queue")),
-        dedupe_key=_text(name, "task_id", options.get("task_id"))
-        or _text(name, "dedupe_key", options.get("dedupe_key")),
+        dedupe_key=dedupe,
         actor=_text(name, "actor", options.get("actor")),
+        task_id=task_id,
     )
 
 
@@ -148,6 +156,7 @@ class DecodedCall:
     args: list[Any]
     kwargs: dict[str, Any]
     expires: datetime | None
+    task_id: str | None = None
 
 
 def decode_call(payload: Any) -> DecodedCall:
@@ -161,18 +170,21 @@ def decode_call(payload: Any) -> DecodedCall:
         raise ValueError(f"not a task call's payload: {str(payload)[:200]}")
     revived = loads(json.dumps({"args": payload["args"], "kwargs": payload["kwargs"]}))  # type: ignore[no-untyped-call]
     expires = payload.get("expires")
+    call_id = payload.get("id")
     return DecodedCall(
         revived["args"],
         revived["kwargs"],
         None if expires is None else datetime.fromisoformat(str(expires)),
+        call_id if isinstance(call_id, str) else None,
     )
 
 
-def retry_delay(when: Any, default: float, now: datetime) -> float:
+def retry_delay(when: Any, default: float, now: datetime, tz: tzinfo = UTC) -> float:
     """Seconds until the retry Celery's ``Retry`` asked for: its countdown, the time until
-    its eta, or the task's ``default_retry_delay``; never negative."""
+    its eta (a naive one in the app's timezone ``tz``), or the task's
+    ``default_retry_delay``; never negative."""
     if isinstance(when, datetime):
-        aware = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+        aware = when if when.tzinfo is not None else when.replace(tzinfo=tz)
         return max(0.0, (aware - now).total_seconds())
     if isinstance(when, int | float) and not isinstance(when, bool):
         return max(0.0, float(when))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
+from .adapters import caller_connection
 from .errors import (
     ConfigurationError,
     OutsideTransaction,
@@ -74,9 +75,29 @@ class OutboxTask(Task):  # type: ignore[misc]
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
 
-        if not self.outbox or self.name.startswith(INTERNAL) or self.app.conf.task_always_eager:
-            return plain()  # opted out, or eager (a shop's unit tests run the task inline)
+        if (
+            not self.outbox
+            or self.name.startswith(INTERNAL)
+            or self.app.conf.task_always_eager
+            or "retries" in options  # Celery's own retry of a call that ran as plain Celery
+        ):
+            return plain()  # opted out, eager (a shop's unit tests run the task inline), a retry
         dispatcher = _dispatcher_of(self)
+        outside = self.outbox_outside or dispatcher.task_outside
+        try:
+            conn = _transaction(dispatcher)
+        except OutsideTransaction:
+            if outside == CELERY:
+                return plain()  # asked for: a call no outbox transaction can carry is Celery's
+            raise
+        if conn is None and outside == CELERY:
+            return plain()
+        if conn is None and outside == RAISE and not _from_beat(options):  # beat has none
+            raise OutsideTransaction(
+                f"{self.name} was called outside a transaction, and its outbox_outside is "
+                "'raise': call it inside `transaction.atomic()` (Django) or `with "
+                "outbox_dispatch.using(conn):` around an open transaction"
+            )
         if self.typing and hasattr(self, "__header__"):
             self.__header__(*(args or ()), **(kwargs or {}))  # a wrong call fails here, as Celery's
         if getattr(self, "_dump_pydantic_arguments", None) is not None:
@@ -91,19 +112,25 @@ class OutboxTask(Task):  # type: ignore[misc]
             tz=self.app.timezone,
         )
         family = task_family(dispatcher, self, call, args, kwargs)
-        conn = bound() or django_transaction(dispatcher.database_url)
-        if conn is None:
-            outside = self.outbox_outside or dispatcher.task_outside
-            if outside == CELERY:
-                return plain()
-            if outside == RAISE and not _from_beat(options):  # beat has no transaction
-                raise OutsideTransaction(
-                    f"{self.name} was called outside a transaction, and its outbox_outside is "
-                    "'raise': call it inside `transaction.atomic()` (Django) or `with "
-                    "outbox_dispatch.using(conn):`"
-                )
         row_id = dispatcher.enqueue_call(conn, self.name, call, family)
-        return EnqueuedTask(call.dedupe_key or f"outbox:{row_id}", row_id, self.name)
+        return EnqueuedTask(call.task_id or f"outbox:{row_id}", row_id, self.name)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's retry; during an outbox delivery, a Retry returned rather than raised
+        (``throw=False``) is kept, so that the row is retried when the task returns."""
+        ret = super().retry(*args, **kwargs)
+        if getattr(self.request, "outbox", None) is not None:
+            self.request.outbox_retry = ret
+        return ret
+
+
+def _transaction(dispatcher: Dispatcher) -> object | None:
+    """The open transaction a call joins: the connection bound by ``using()`` (None when it
+    is in autocommit: nothing to join), else Django's on the outbox's database."""
+    conn = bound()
+    if conn is not None:
+        return None if caller_connection(conn).autocommit else conn
+    return django_transaction(dispatcher.database_url)
 
 
 def _from_beat(options: dict[str, Any]) -> bool:
@@ -165,8 +192,8 @@ def _declared(dispatcher: Dispatcher, task: str, family: str, what: str) -> str:
 
 class EnqueuedTask:
     """What a call through the outbox returns in place of an AsyncResult: the call's id (its
-    ``task_id=``, else ``outbox:<row id>``, which the task sees as ``self.request.id``) and
-    its row. There is no result to wait for: ``get()`` and the state raise at once."""
+    ``task_id=``, else ``outbox:<row id>``; the task sees it as ``self.request.id``) and its
+    row. There is no result to wait for: ``get()`` and the state raise at once."""
 
     def __init__(self, task_id: str, row_id: int, name: str) -> None:
         self.id = task_id
@@ -232,9 +259,10 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
             attempt=ctx.attempt,
         )
         return
+    call_id = call.task_id or ctx.idempotency_key
     task.push_request(
-        id=ctx.idempotency_key,
-        root_id=ctx.idempotency_key,
+        id=call_id,
+        root_id=call_id,
         retries=ctx.attempt - 1,
         args=call.args,
         kwargs=call.kwargs,
@@ -246,6 +274,9 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
     _task_stack.push(task)
     try:
         task.run(*call.args, **call.kwargs)
+        kept = getattr(task.request, "outbox_retry", None)  # self.retry(throw=False)
+        if isinstance(kept, Retry):
+            raise kept
     except Retry as retry:
         raise _retry_later(task, retry, call.args, call.kwargs, now) from retry
     except Ignore:
@@ -256,9 +287,11 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
                 0.0, f"{task.name} rejected the call and asked to requeue it"
             ) from None
         raise PermanentFailure(f"{task.name} rejected the call: {reject.reason!r}") from reject
-    except PermanentFailure:
+    except (PermanentFailure, RetryLater):
         raise
     except Exception as exc:
+        if ctx.is_cancelled or type(exc).__name__ == "SoftTimeLimitExceeded":
+            raise  # told to stop (time limit, cancel, lost claim): the delivery decides
         # Celery marks such a call FAILURE and does not run it again; its row is parked, to
         # be retried or purged by hand, rather than lost
         raise PermanentFailure(
@@ -281,7 +314,7 @@ def _retry_later(
             f"{task.name} called self.retry() with new args or kwargs, which a row cannot "
             "take: call the task anew with them instead"
         )
-    delay = retry_delay(retry.when, task.default_retry_delay, now)
+    delay = retry_delay(retry.when, task.default_retry_delay, now, task.app.timezone)
     cause = retry.exc if isinstance(retry.exc, BaseException) else None
     reason = f"{type(cause).__name__}: {cause}" if cause is not None else "self.retry()"
     most = "" if task.max_retries is None else f" of {task.max_retries}"

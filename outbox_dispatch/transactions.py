@@ -54,7 +54,10 @@ def django_transaction(database_url: str) -> Any | None:
         )
         if not in_transaction:
             continue
-        if conn.vendor == "postgresql" and same_database(conn.settings_dict, database_url):
+        if conn.vendor == "postgresql" and same_database(conn.settings_dict, database_url) in (
+            True,
+            None,  # a service file or a default decides: taken as ours, the insert will tell
+        ):
             ours.append(conn)
         else:
             others.append(conn)
@@ -80,9 +83,13 @@ def django_transaction(database_url: str) -> Any | None:
     return None
 
 
-def same_database(settings_dict: dict[str, Any], database_url: str) -> bool:
-    """Whether a Django DATABASES entry names the database of ``database_url``."""
+def same_database(settings_dict: dict[str, Any], database_url: str) -> bool | None:
+    """Whether a Django DATABASES entry names the database of ``database_url``; None when
+    either side leaves it to a service file or libpq's defaults."""
     from psycopg.conninfo import conninfo_to_dict
 
     ours = database_target(conninfo_to_dict(database_url))
-    return ours is not None and django_target(settings_dict) == ours
+    theirs = django_target(settings_dict)
+    if ours is None or theirs is None:
+        return None
+    return theirs == ours

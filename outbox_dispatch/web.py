@@ -84,6 +84,8 @@ class WebApp:
     def __init__(
         self, dispatcher: Dispatcher, *, user: str, password: str, secret: bytes | None = None
     ) -> None:
+        if not user or not password:
+            raise ConfigurationError("the outbox page needs a user and a password")
         self.dispatcher = dispatcher
         self.user = user
         self.password = password
@@ -156,7 +158,7 @@ class WebApp:
         if origin and origin != "null" and urlsplit(origin).netloc != host:
             return f"refused: a form from {origin} may not act on this page"
         given = (params.get("token") or [""])[0]
-        if not hmac.compare_digest(given, self.token()):
+        if not hmac.compare_digest(given.encode(), self.token().encode()):
             return "refused: the form's token is missing or stale; reload the page"
         return None
 
@@ -303,7 +305,7 @@ def _message(params: dict[str, list[str]]) -> list[tuple[str, bool]]:
 def _ids(params: dict[str, list[str]]) -> list[int]:
     ids = []
     for value in params.get("id", []):
-        if not value.isdigit() or len(value) > 18:
+        if not (value.isascii() and value.isdigit()) or len(value) > 18:
             raise OutboxError(f"{value!r} is not a row id")
         ids.append(int(value))
     if not ids:

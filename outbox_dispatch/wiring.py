@@ -27,7 +27,6 @@ CLAIM_ENTRY = "outbox-dispatch claimer"
 PRUNE_TASK = "outbox.prune"
 CRON_TASK = "outbox.cron"
 QUIET_TASKS = frozenset({CLAIM_TASK, PRUNE_TASK, CRON_TASK})  # no events, no INFO lines
-EVENTS_ON = "outbox_dispatch_task_events"  # in app.conf: the worker was started with -E
 
 
 def write_settings(app: Celery) -> None:
@@ -107,9 +106,13 @@ def report(task: Any, state: TaskState) -> str:
         case Report.FAILURE:
             raise Parked(state.text)
         case _:
-            if task.app.conf.get(EVENTS_ON):
-                event = "task-revoked" if state.report is Report.REVOKED else "task-stale"
+            # sent whether or not this worker sends task events: Flower switches them on by
+            # remote control, which a pool process cannot see; nobody listening, it is dropped
+            event = "task-revoked" if state.report is Report.REVOKED else "task-stale"
+            try:
                 task.send_event(event, reason=state.text, terminated=False, expired=False)
+            except Exception as exc:  # the row is settled; only Flower's view is missing
+                logging.getLogger(__name__).warning("could not send %s: %r", event, exc)
             raise Ignore(state.text)
 
 
@@ -217,20 +220,6 @@ def on_worker_exit(fn: Callable[[], None]) -> None:
 
     signals.worker_process_shutdown.connect(handler, weak=False)
     signals.worker_shutdown.connect(handler, weak=False)
-
-
-def install_events_step(app: Any) -> None:
-    """Record in app.conf whether this worker sends task events (``-E``), so that its pool
-    processes (forked after this step) send the delivery states of their own (STALE, and
-    REVOKED for a cancel) only to a Flower that also sees the tasks' other events."""
-    from celery import bootsteps
-
-    class OutboxTaskEvents(bootsteps.Step):  # type: ignore[misc]
-        def __init__(self, parent: Any, **kwargs: Any) -> None:
-            super().__init__(parent, **kwargs)
-            app.conf[EVENTS_ON] = bool(getattr(parent, "task_events", False))
-
-    app.steps["worker"].add(OutboxTaskEvents)
 
 
 def install_listener_step(app: Any, make: Callable[[], CommitListener]) -> None:

@@ -412,3 +412,65 @@ def test_the_worker_delivers_a_call_under_the_tasks_own_name(
     assert shown == [t.name]
     sent = next(p for p in published if p["task"] == "outbox.deliver")
     assert sent["body"][0][0] == row_id  # the message names the row, not the args
+
+
+def test_found_by_review_retries_timeouts_and_ids_behave_as_in_celery(
+    dispatcher: Dispatcher,
+    task: Callable[..., Any],
+    calls: Calls,
+    tx: Any,
+    database_url: str,
+    published: list[dict[str, Any]],
+) -> None:
+    from billiard.exceptions import SoftTimeLimitExceeded  # type: ignore[import-untyped]
+
+    from outbox_dispatch import RetryLater
+
+    # self.retry(throw=False) returns its Retry; the task's return must not deliver the row
+    def quiet_retry(self: Any) -> None:
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)
+
+    def later(self: Any) -> None:
+        if self.request.retries == 0:
+            raise RetryLater(0.0, "the provider said 429")
+
+    def slow(self: Any) -> None:
+        if self.request.retries == 0:
+            raise SoftTimeLimitExceeded()  # a prefork pool's soft time limit: retried, as any
+
+    rows = {}
+    with tx():
+        for name, fn in (("quiet", quiet_retry), ("later", later), ("slow", slow)):
+            rows[name] = task(fn, max_retries=3).delay().row_id
+    _settle_all(dispatcher, database_url)
+    runs = {n: sum(1 for c in calls if c[1]["request"].outbox.row_id == r) for n, r in rows.items()}
+    assert runs == {"quiet": 2, "later": 2, "slow": 2}  # each retried once, none parked
+    assert count_rows(database_url, dispatcher.schema, "parked_at IS NOT NULL") == 0
+
+    # a task_id dedupes calls of its own task only; the task still sees the bare id
+    a, b = task(), task()
+    with tx():
+        first = a.apply_async(task_id="order-7")
+        other = b.apply_async(task_id="order-7")
+    assert first.row_id != other.row_id and first.id == other.id == "order-7"
+    calls.clear()
+    dispatcher.drain(timeout=5)
+    assert sorted(c[1]["request"].id for c in calls) == ["order-7", "order-7"]
+
+    # Celery's own retry of a call that ran as plain Celery republishes through Celery
+    plain = task(outbox_outside="celery")
+    sent = plain.apply_async((1,), retries=1, reply_to="celery@host", countdown=0)
+    assert not isinstance(sent, EnqueuedTask)
+    assert [p["task"] for p in published] == [plain.name]
+
+
+def test_using_an_autocommit_connection_is_outside_a_transaction(
+    dispatcher: Dispatcher, task: Callable[..., Any], database_url: str
+) -> None:
+    strict = task(outbox_outside="raise")
+    with psycopg.connect(database_url, autocommit=True) as conn, using(conn):
+        with pytest.raises(OutsideTransaction, match="outside a transaction"):
+            strict.delay()
+        row_id = task().delay().row_id  # the default: committed on its own, at once
+    assert count_rows(database_url, dispatcher.schema, f"id = {row_id}") == 1

@@ -141,3 +141,18 @@ def test_pages_escape_what_they_show_and_actions_say_what_happened(
     assert "1 row cancelled" in page and "cancelled by outbox page: ops" in page
     _, _, page = call(web, "GET", "/rows", query="q=no-such-key")
     assert "no row has the id, actor or dedupe key no-such-key" in page
+
+
+def test_odd_input_gets_an_answer_not_a_crash(web: WebApp, dispatcher: Dispatcher) -> None:
+    from outbox_dispatch import operations
+
+    status, _, page = call(web, "POST", "/retry", form={"id": "²", "token": web.token()})
+    assert status.startswith("200") and "is not a row id" in page
+    status, _, _ = call(web, "POST", "/retry", form={"id": "1", "token": "é"})
+    assert status.startswith("403")
+    status, _, page = call(web, "GET", "/rows", query="q=%C2%B2")
+    assert status.startswith("200") and "no row has the id" in page
+    with pytest.raises(ConfigurationError):
+        WebApp(dispatcher, user="", password="")
+    # an empty selection (the admin's rows were deleted meanwhile) cancels nothing
+    assert operations.cancel(dispatcher, [], by="test").reasons == ["no row named"]

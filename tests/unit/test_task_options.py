@@ -102,7 +102,10 @@ def test_queue_task_id_actor_and_dedupe_key() -> None:
 
     assert plan(queue=Queue()).queue == "emails"
     assert plan(queue="emails").queue == "emails"
-    assert plan(task_id="receipt-1").dedupe_key == "receipt-1"
+    by_id = plan(task_id="receipt-1")
+    assert by_id.dedupe_key == "shop.t:receipt-1" and by_id.task_id == "receipt-1"
+    assert decode_call(by_id.payload).task_id == "receipt-1"
+    assert plan(task_id="r", dedupe_key="mine").dedupe_key == "mine"  # an explicit key wins
     assert plan(dedupe_key="k", actor="user:1").actor == "user:1"
     with pytest.raises(InvalidArgument, match="actor must be a str"):
         plan(actor=5)

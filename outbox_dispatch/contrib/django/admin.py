@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 
 from ... import operations
@@ -31,7 +31,7 @@ class StateFilter(admin.SimpleListFilter):  # type: ignore[misc]
 class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     list_display = ("id", "family", "command", "actor", "state", "attempts", "due", "error")
     list_filter = ("family", StateFilter)
-    search_fields = ("=actor", "command", "=dedupe_key")
+    search_fields = ("actor", "command", "dedupe_key")  # the search box; get_search_results
     actions = ("retry_parked", "purge_parked", "cancel_rows")
     list_per_page = 50
     show_full_result_count = False  # a count(*) of a large outbox on every page is slow
@@ -43,13 +43,16 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
+        """A row id, an exact actor (through its per-family index) or dedupe key, or part of
+        a command."""
         term = search_term.strip()
-        if term.isdigit():  # a row id
-            return queryset.filter(id=int(term)), False
-        result: tuple[QuerySet[Any], bool] = super().get_search_results(
-            request, queryset, search_term
-        )
-        return result
+        if not term:
+            return queryset, False
+        match = Q(family__in=sorted(get_dispatcher().families), actor=term)
+        match |= Q(dedupe_key=term) | Q(command__icontains=term)
+        if term.isascii() and term.isdigit() and len(term) < 19:
+            match |= Q(id=int(term))
+        return queryset.filter(match), False
 
     @admin.display(description="due at")  # type: ignore[untyped-decorator]
     def due(self, row: OutboxRow) -> Any:
