@@ -43,6 +43,11 @@ def acc_env(database_url: str, redis_url: str, run_id: str) -> Iterator[dict[str
         "PYTHONUNBUFFERED": "1",
     }
     yield env
+    drop_run(database_url, schema, redis_url, prefix)
+
+
+def drop_run(database_url: str, schema: str, redis_url: str, prefix: str) -> None:
+    """What a test run made: its schema and its Redis keys."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     client = redis.Redis.from_url(redis_url)

@@ -13,11 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
-import redis
 
-from .conftest import ROOT, cli
+from .conftest import ROOT, cli, drop_run
 
 EXAMPLE = ROOT / "examples" / "celery_shop"
 
@@ -38,12 +36,7 @@ def shop_env(database_url: str, redis_url: str, run_id: str) -> Iterator[dict[st
         "PYTHONUNBUFFERED": "1",
     }
     yield env
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    client = redis.Redis.from_url(redis_url)
-    for key in client.scan_iter(f"{prefix}*"):
-        client.delete(key)
-    client.close()
+    drop_run(database_url, schema, redis_url, prefix)
 
 
 def test_the_shop_moved_by_one_line_delivers_each_committed_order_once(
