@@ -70,11 +70,13 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[IO[bytes]] = []
 
-    def start(args: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+    def start(
+        args: list[str], env: dict[str, str], name: str, cwd: Path = ROOT
+    ) -> subprocess.Popen[bytes]:
         log = (tmp_path / f"{name}.log").open("wb")
         logs.append(log)
         p = subprocess.Popen(
-            args, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            args, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         procs.append(p)
         return p
