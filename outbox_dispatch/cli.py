@@ -59,6 +59,17 @@ def _dispatcher(args: argparse.Namespace) -> Any:
     return dispatcher
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _emit(args: argparse.Namespace, data: Any, rendered: str) -> None:
     if args.json:
         print(json.dumps(data, default=_json_default, indent=2))
@@ -128,8 +139,12 @@ def cmd_parked(args: argparse.Namespace) -> int:
         rows = dispatcher.store.parked_list(family=args.family, limit=args.limit)
         columns = ["id", "family", "command", "actor", "attempts", "maybe_applied", "parked_at"]
         text = table(rows, [*columns, "last_error"]) if rows else "no parked rows"
+        unknown = args.family is not None and args.family not in dispatcher.families
+        if unknown and not rows:
+            known = ", ".join(sorted(dispatcher.families))
+            text = f"no parked rows: the app declares no family {args.family!r} (it has {known})"
         _emit(args, rows, text)
-        return 0
+        return 1 if unknown and not rows else 0
     ids = args.ids or None
     if not ids and not args.all:
         raise OutboxError(f"parked {args.parked_cmd}: name row ids, or pass --all")
@@ -310,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         q = psub.add_parser(name, parents=ours, help=helptext)
         q.add_argument("--family")
         if name == "list":
-            q.add_argument("--limit", type=int, default=100)
+            q.add_argument("--limit", type=_positive, default=100)
         else:
             q.add_argument("ids", nargs="*", type=int, help="row ids")
             q.add_argument("--all", action="store_true", help="every parked row (of --family)")
@@ -330,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "prune", parents=ours, help="delete settled rows past their family's retention"
     )
-    p.add_argument("--batch", type=int, help="rows per delete (default: the dispatcher's)")
+    p.add_argument("--batch", type=_positive, help="rows per delete (default: the dispatcher's)")
     p.set_defaults(fn=cmd_prune)
 
     for name in ("worker", "beat"):

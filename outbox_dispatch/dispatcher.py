@@ -387,6 +387,7 @@ class Dispatcher:
         due_now = call.delay is None and call.at is None
         if conn is not None:
             row_id = self._insert(caller_connection(conn), row)
+            self._same_command(caller_connection(conn), row_id, task, call)
             if due_now and type(conn).__module__.startswith("django."):
                 from .contrib.django import wake_on_commit
 
@@ -394,9 +395,22 @@ class Dispatcher:
             return row_id
         with self.store.connection() as own:
             row_id = self._insert(own, row)
+            self._same_command(own, row_id, task, call)
         if not self.listen and due_now:
             self.request_claim(family)  # committed: the NOTIFY wakes only a listener
         return row_id
+
+    def _same_command(self, conn: Conn, row_id: int, task: str, call: TaskCall) -> None:
+        """A dedupe key already held by another command's row would hand this call that row:
+        refused, so that one task's call is never silently taken for another's."""
+        if call.dedupe_key is None:
+            return
+        holder = self.store.command_of(conn, row_id)
+        if holder is not None and holder != task:
+            raise InvalidArgument(
+                f"{task}: dedupe key {call.dedupe_key!r} is held by row {row_id} of "
+                f"{holder!r}; give each task's calls keys of their own"
+            )
 
     def _insert(self, conn: Conn, row: PreparedRow) -> int:
         fam = self.families[row.family]

@@ -625,6 +625,12 @@ class Store:
             rows = conn.execute(self.q["claim_families_due"], {"families": list(families)})
             return {str(r[0]) for r in rows.fetchall()}
 
+    def command_of(self, conn: Conn, row_id: int) -> str | None:
+        """The command of a row, on the caller's connection (its transaction sees the row)."""
+        with translated("enqueue"):
+            row = conn.execute(self.q["status_row_command"], {"id": row_id}).fetchone()
+        return None if row is None else str(row[0])
+
     def find_rows(self, text: str, families: list[str], *, limit: int = 50) -> list[dict[str, Any]]:
         """Rows whose id, exact actor (in ``families``) or exact dedupe key is ``text``."""
         row_id = int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None

@@ -11,6 +11,7 @@ options mean; this module does the writing and the running.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 COMMIT, RAISE, CELERY = "commit", "raise", "celery"
 OUTSIDE = (COMMIT, RAISE, CELERY)
 
+_FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]{0,47}\Z")
 INTERNAL = ("celery.", "outbox.")  # Celery's own tasks and ours never go through the outbox
 
 
@@ -117,9 +119,18 @@ class OutboxTask(Task):  # type: ignore[misc]
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's retry; during an outbox delivery, a Retry returned rather than raised
-        (``throw=False``) is kept, so that the row is retried when the task returns."""
-        ret = super().retry(*args, **kwargs)
-        if getattr(self.request, "outbox", None) is not None:
+        (``throw=False``) is kept, so that the row is retried when the task returns, and an
+        error raised because max_retries ran out is marked so, for the parked row's reason."""
+        delivering = getattr(self.request, "outbox", None) is not None
+        try:
+            ret = super().retry(*args, **kwargs)
+        except Retry:
+            raise
+        except Exception:
+            if delivering:
+                self.request.outbox_retries_out = True
+            raise
+        if delivering:
             self.request.outbox_retry = ret
         return ret
 
@@ -166,6 +177,12 @@ def task_family(dispatcher: Dispatcher, task: Any, call: TaskCall, args: Any, kw
         return queue
     if queue == (task.app.conf.task_default_queue or "celery"):
         return _declared(dispatcher, task.name, dispatcher.task_family, "task_family")
+    if queue == "claim" or not _FAMILY_NAME.match(queue):
+        raise UnknownFamily(
+            f"{task.name} is routed to queue {queue!r}, which no outbox family can be (family "
+            "names are 1-48 lower-case letters, digits or _, and the claim queue is the "
+            "outbox's own): route it to a family's name, or set the task's outbox_family"
+        )
     raise UnknownFamily(
         f"{task.name} is routed to queue {queue!r}, which is no outbox family: declare "
         f"dispatcher.family({queue!r}) (its workers consume {dispatcher.queue_name(queue)!r}), "
@@ -259,7 +276,7 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
             attempt=ctx.attempt,
         )
         return
-    call_id = call.task_id or ctx.idempotency_key
+    call_id = call.task_id or f"outbox:{ctx.row_id}"  # what the call returned as .id
     task.push_request(
         id=call_id,
         root_id=call_id,
@@ -294,10 +311,13 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
             raise  # told to stop (time limit, cancel, lost claim): the delivery decides
         # Celery marks such a call FAILURE and does not run it again; its row is parked, to
         # be retried or purged by hand, rather than lost
-        raise PermanentFailure(
-            f"{type(exc).__name__}: {exc} (not retried: the task did not call self.retry and "
-            "autoretry_for does not cover it)"
-        ) from exc
+        if getattr(task.request, "outbox_retries_out", False):
+            why = f"its max_retries ({task.max_retries}) ran out"
+        else:
+            why = (
+                "not retried: the task did not call self.retry and autoretry_for does not cover it"
+            )
+        raise PermanentFailure(f"{type(exc).__name__}: {exc} ({why})") from exc
     finally:
         _task_stack.pop()
         task.pop_request()

@@ -155,8 +155,10 @@ class WebApp:
         """Why a POST is refused: another site's Origin, or no valid form token."""
         origin = environ.get("HTTP_ORIGIN")
         host = environ.get("HTTP_HOST", "")
-        if origin and origin != "null" and urlsplit(origin).netloc != host:
+        if origin and (origin == "null" or urlsplit(origin).netloc != host):
             return f"refused: a form from {origin} may not act on this page"
+        if environ.get("HTTP_SEC_FETCH_SITE", "same-origin") not in ("same-origin", "none"):
+            return "refused: a form from another site may not act on this page"
         given = (params.get("token") or [""])[0]
         if not hmac.compare_digest(given.encode(), self.token().encode()):
             return "refused: the form's token is missing or stale; reload the page"
@@ -177,7 +179,7 @@ class WebApp:
                 }
             )
         body = _table(rows, STATUS_COLUMNS, link={"parked": "/parked?family={family}"})
-        return Page("status", _search_form() + body, _message(params))
+        return Page("status", _search_form() + body, self._message(params))
 
     def parked(self, params: dict[str, list[str]]) -> Page:
         family = _first(params, "family") or None
@@ -198,16 +200,16 @@ class WebApp:
                 )
             body += "</table>"
         title = f"parked rows of {family}" if family else "parked rows"
-        return Page(title, body, _message(params))
+        return Page(title, body, self._message(params))
 
     def rows(self, params: dict[str, list[str]]) -> Page:
         q = _first(params, "q").strip()
         if not q:
-            return Page("find a row", _search_form(), _message(params))
+            return Page("find a row", _search_form(), self._message(params))
         found = self.dispatcher.store.find_rows(q, sorted(self.dispatcher.families))
         if not found:
             body = f"<p>no row has the id, actor or dedupe key {_e(q)!s}</p>"
-            return Page(f"rows for {q}", _search_form(q) + body, _message(params))
+            return Page(f"rows for {q}", _search_form(q) + body, self._message(params))
         now = datetime.now(UTC)
         body = _search_form(q)
         for r in found:
@@ -227,17 +229,17 @@ class WebApp:
                 )
             elif state not in ("done", "cancelled"):
                 body += self._button("/cancel", r["id"], "cancel")
-        return Page(f"rows for {q}", body, _message(params))
+        return Page(f"rows for {q}", body, self._message(params))
 
     # -- actions ---------------------------------------------------------------------------------
 
     def retry(self, params: dict[str, list[str]]) -> Page:
         done = operations.retry_parked(self.dispatcher, _ids(params))
-        return _after(params, done, "due again (attempts reset)")
+        return self._after(params, done, "due again (attempts reset)")
 
     def purge(self, params: dict[str, list[str]]) -> Page:
         done = operations.purge_parked(self.dispatcher, _ids(params))
-        return _after(params, done, "purged")
+        return self._after(params, done, "purged")
 
     def cancel(self, params: dict[str, list[str]]) -> Page:
         done = operations.cancel(
@@ -249,7 +251,28 @@ class WebApp:
         text = "cancelled" + (
             f"; running, asked to stop: {done.requested}" if done.requested else ""
         )
-        return _after(params, done, text)
+        return self._after(params, done, text)
+
+    def _after(self, params: dict[str, list[str]], done: operations.Done, verb: str) -> Page:
+        """Post/redirect/get: back to the row (or the parked list) with what happened, signed
+        so that a link cannot put words of its own on the page."""
+        rows = "1 row" if len(done.ids) == 1 else f"{len(done.ids)} rows"
+        ok, warn = f"{rows} {verb}", "; ".join(done.reasons)
+        query = {"ok": ok, "warn": warn, "sig": self._sign(ok, warn)}
+        ids = _ids(params)
+        target = f"/rows?q={ids[0]}" if len(ids) == 1 and verb != "purged" else "/parked"
+        sep = "&" if "?" in target else "?"
+        return Page("", redirect=f"{target}{sep}{urlencode({k: v for k, v in query.items() if v})}")
+
+    def _sign(self, ok: str, warn: str) -> str:
+        text = f"{ok}\n{warn}".encode()
+        return hmac.new(self.secret, b"message:" + text, hashlib.sha256).hexdigest()
+
+    def _message(self, params: dict[str, list[str]]) -> list[tuple[str, bool]]:
+        ok, warn, sig = _first(params, "ok"), _first(params, "warn"), _first(params, "sig")
+        if not (ok or warn) or not hmac.compare_digest(sig.encode(), self._sign(ok, warn).encode()):
+            return []
+        return [(m, False) for m in [ok] if m] + [(m, True) for m in [warn] if m]
 
     def _button(self, action: str, row_id: int, label: str) -> str:
         return (
@@ -286,20 +309,6 @@ class Page:
         self.body = body
         self.flash = list(flash)
         self.redirect = redirect
-
-
-def _after(params: dict[str, list[str]], done: operations.Done, verb: str) -> Page:
-    """Post/redirect/get: back to the row (or the parked list) with what happened."""
-    rows = "1 row" if len(done.ids) == 1 else f"{len(done.ids)} rows"
-    query = {"ok": f"{rows} {verb}", "warn": "; ".join(done.reasons)}
-    ids = _ids(params)
-    target = f"/rows?q={ids[0]}" if len(ids) == 1 and verb != "purged" else "/parked"
-    sep = "&" if "?" in target else "?"
-    return Page("", redirect=f"{target}{sep}{urlencode({k: v for k, v in query.items() if v})}")
-
-
-def _message(params: dict[str, list[str]]) -> list[tuple[str, bool]]:
-    return [(m, False) for m in params.get("ok", [])] + [(m, True) for m in params.get("warn", [])]
 
 
 def _ids(params: dict[str, list[str]]) -> list[int]:
@@ -380,6 +389,8 @@ def serve(app: WebApp, host: str, port: int) -> None:
         daemon_threads = True
 
     class Quiet(WSGIRequestHandler):
+        timeout = 10  # a client that stalls mid-request gives its thread back
+
         def log_message(self, format: str, *args: Any) -> None:
             pass
 

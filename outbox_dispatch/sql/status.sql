@@ -77,3 +77,7 @@ WHERE id = %(id)s
    OR dedupe_key = %(text)s
 ORDER BY id DESC
 LIMIT %(limit)s;
+
+-- name: status_row_command
+-- The command of the row a task call's dedupe key found (it must be the task's own).
+SELECT command FROM __SCHEMA__.outbox WHERE id = %(id)s;

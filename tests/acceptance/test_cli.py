@@ -129,3 +129,11 @@ def test_prune_shows_its_progress_per_family_and_the_status_table_is_aligned(
     assert all(len(r) <= len(lines[1]) for r in rows)
     queued = header.index("queued")  # every row's value starts under its column
     assert all(r[queued] != " " for r in rows)
+
+
+def test_limits_must_be_positive_and_an_unknown_family_is_named(clean_acc: dict[str, str]) -> None:
+    for args in (["parked", "list", "--limit", "0"], ["prune", "--batch", "-1"]):
+        result = cli(clean_acc, *args)
+        assert result.returncode == 2 and "must be at least 1" in result.stderr
+    unknown = cli(clean_acc, "parked", "list", "--family", "nosuch")
+    assert unknown.returncode == 1 and "declares no family 'nosuch'" in unknown.stdout

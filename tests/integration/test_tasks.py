@@ -184,7 +184,7 @@ def test_max_retries_exceeded_parks_the_row_with_the_tasks_error(
     row = _row(database_url, dispatcher.schema, row_id)
     assert len(calls) == 2  # the first run and its one retry, as Celery would
     assert row["parked_at"] is not None and row["attempts"] == 2
-    assert "TimeoutError: still down" in row["last_error"]
+    assert "TimeoutError: still down (its max_retries (1) ran out)" in row["last_error"]
 
 
 def test_autoretry_for_retries_listed_errors_and_parks_any_other(
@@ -474,3 +474,21 @@ def test_using_an_autocommit_connection_is_outside_a_transaction(
             strict.delay()
         row_id = task().delay().row_id  # the default: committed on its own, at once
     assert count_rows(database_url, dispatcher.schema, f"id = {row_id}") == 1
+
+
+def test_a_dedupe_key_held_by_another_task_is_refused_and_ids_match(
+    dispatcher: Dispatcher, task: Callable[..., Any], calls: Calls, tx: Any, database_url: str
+) -> None:
+    a, b = task(), task()
+    with tx():
+        mine = a.apply_async((1,), dedupe_key="order:9")
+        again = a.apply_async((1,), dedupe_key="order:9")  # the same task: the same row
+        with pytest.raises(InvalidArgument, match=r"is held by row .* give each task"):
+            b.apply_async((2,), dedupe_key="order:9")
+    assert again.row_id == mine.row_id
+    dispatcher.drain(timeout=5)
+    assert [c[1]["request"].id for c in calls] == [mine.id]  # the id the call returned
+    with tx(), pytest.raises(UnknownFamily, match="no outbox family can be"):
+        a.apply_async(queue="Emails")
+    with tx(), pytest.raises(UnknownFamily, match="claim queue is the outbox's own"):
+        a.apply_async(queue="outbox.claim")

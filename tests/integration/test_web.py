@@ -97,6 +97,8 @@ def test_an_action_without_the_token_or_from_another_site_is_refused(
         ({"id": row}, {}),  # no token
         ({"id": row, "token": "0" * 64}, {}),  # a forged one
         ({"id": row, "token": web.token()}, {"HTTP_ORIGIN": "https://evil.example"}),
+        ({"id": row, "token": web.token()}, {"HTTP_ORIGIN": "null"}),  # a sandboxed frame
+        ({"id": row, "token": web.token()}, {"HTTP_SEC_FETCH_SITE": "cross-site"}),
     ):
         status, _, text = call(
             web, "POST", "/purge", form=form, headers={"HTTP_AUTHORIZATION": AUTH, **extra}
@@ -156,3 +158,8 @@ def test_odd_input_gets_an_answer_not_a_crash(web: WebApp, dispatcher: Dispatche
         WebApp(dispatcher, user="", password="")
     # an empty selection (the admin's rows were deleted meanwhile) cancels nothing
     assert operations.cancel(dispatcher, [], by="test").reasons == ["no row named"]
+
+
+def test_a_link_cannot_put_words_on_the_page(web: WebApp) -> None:
+    _, _, page = call(web, "GET", "/", query="ok=Row+5+was+verified+safe&warn=Purge+all+now")
+    assert "verified safe" not in page and "Purge all now" not in page
