@@ -90,6 +90,26 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
         log.close()
 
 
+def worker_with_beat(app: str, beat_dir: Path, *extra: str, concurrency: int = 2) -> list[str]:
+    """The ``celery -A app worker -B`` command these tests start a worker and beat with."""
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        app,
+        "worker",
+        "-B",
+        "-c",
+        str(concurrency),
+        "--loglevel",
+        "INFO",
+        "-s",
+        str(beat_dir / "beat-schedule"),
+        *extra,
+    ]
+
+
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "outbox_dispatch.cli", *args],

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,13 @@ from pathlib import Path
 from selenium.webdriver.common.by import By
 
 from tests.acceptance.browser import chrome
+from tests.chaos.services import free_port
 
 WANT = {"SUCCESS", "RETRY", "FAILURE"}
 
 
 def main(path: str) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true", "PYTHONUNBUFFERED": "1"}
     flower = subprocess.Popen(
         [

@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from .conftest import ROOT, drop_run
+from .conftest import ROOT, drop_run, worker_with_beat
 
 EXAMPLE = ROOT / "examples" / "django_shop"
 
@@ -75,21 +75,7 @@ def test_the_django_shop_moved_by_one_line_delivers_each_committed_order(
     _manage(django_env, "migrate", "--verbosity", "0")
     _manage(django_env, "outbox_migrate")
     worker = spawn(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "djshop",
-            "worker",
-            "-B",
-            "-c",
-            "2",
-            "--loglevel",
-            "INFO",
-            "-s",
-            str(tmp_path / "beat-schedule"),
-        ],
+        worker_with_beat("djshop", tmp_path),
         django_env,
         "django-worker",
         cwd=EXAMPLE,

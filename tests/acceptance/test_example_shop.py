@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import ROOT, cli, drop_run
+from .conftest import ROOT, cli, drop_run, worker_with_beat
 
 EXAMPLE = ROOT / "examples" / "celery_shop"
 
@@ -61,21 +61,7 @@ def test_the_shop_moved_by_one_line_delivers_each_committed_order_once(
     request.addfinalizer(dispatcher.close)
     create_tables()
     worker = spawn(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "shop.celery",
-            "worker",
-            "-B",
-            "-c",
-            "2",
-            "--loglevel",
-            "INFO",
-            "-s",
-            str(tmp_path / "beat-schedule"),
-        ],
+        worker_with_beat("shop.celery", tmp_path),
         shop_env,
         "shop-worker",
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import urllib.request
@@ -23,12 +22,9 @@ import psycopg
 import pytest
 
 from outbox_dispatch import Message
+from tests.chaos.services import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .conftest import worker_with_beat
 
 
 def _tasks(port: int) -> dict[str, dict[str, Any]]:
@@ -51,28 +47,12 @@ def test_flower_shows_each_deliverys_true_state_and_no_maintenance_tasks(
         "OUTBOX_TEST_KEY_PREFIX",
     ):
         monkeypatch.setenv(key, env[key])
-    port = _free_port()
+    port = free_port()
     app_arg = ["-m", "celery", "-A", "tests.acceptance.flower_app"]
     spawn(
         [sys.executable, *app_arg, "flower", "--address=127.0.0.1", f"--port={port}"], env, "flower"
     )
-    worker = spawn(
-        [
-            sys.executable,
-            *app_arg,
-            "worker",
-            "-B",
-            "-E",
-            "-c",
-            "2",
-            "--loglevel",
-            "INFO",
-            "-s",
-            str(tmp_path / "beat-schedule"),
-        ],
-        env,
-        "worker",
-    )
+    worker = spawn(worker_with_beat("tests.acceptance.flower_app", tmp_path, "-E"), env, "worker")
     from tests.acceptance.flower_app import dispatcher
 
     # Flower up, and the worker's events reaching it (Redis keeps no event for a late

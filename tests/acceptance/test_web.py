@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -16,13 +15,9 @@ from typing import Any
 
 import psycopg
 
-from .conftest import cli
+from tests.chaos.services import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .conftest import cli, worker_with_beat
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float = 20) -> None:
@@ -42,9 +37,9 @@ def test_an_operator_retries_a_parked_row_and_cancels_one_in_a_real_browser(
 
     env = {**clean_acc, "OUTBOX_DISPATCH_APP": "tests.acceptance.web_app:dispatcher"}
     env.pop("OUTBOX_WEB_AUTH", None)
-    refused = cli(env, "web", "--port", str(_free_port()))
+    refused = cli(env, "web", "--port", str(free_port()))
     assert refused.returncode == 2 and "never runs open" in refused.stderr
-    port = _free_port()
+    port = free_port()
     spawn(
         [sys.executable, "-m", "outbox_dispatch.cli", "web", "--port", str(port)],
         {**env, "OUTBOX_WEB_AUTH": "ops:s3cret"},
@@ -85,21 +80,7 @@ def test_an_operator_retries_a_parked_row_and_cancels_one_in_a_real_browser(
     assert f"row {parked}: due" in browser.page_source
 
     worker = spawn(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "tests.acceptance.web_app",
-            "worker",
-            "-B",
-            "-c",
-            "1",
-            "-s",
-            str(tmp_path / "beat-schedule"),
-        ],
-        env,
-        "worker",
+        worker_with_beat("tests.acceptance.web_app", tmp_path, concurrency=1), env, "worker"
     )
 
     def delivered() -> bool:
