@@ -41,7 +41,7 @@ from .policy import (
     family_is_capped,
 )
 from .pool import Conn
-from .publisher import Publisher
+from .publisher import Publisher, family_command
 from .queues import QueueProbe
 from .rows import Claimed, FamilyStatus
 from .runstats import RunStats, RunTimes
@@ -431,7 +431,7 @@ class Dispatcher:
     def _shown_name(self, family: Family, command: str) -> str:
         """Flower's name for a delivery: ``<family>:<command>``, a task's calls its own name."""
         reg = self.registry.registration(command)
-        return command if reg is not None and reg.task else f"{family.name}:{command}"
+        return command if reg is not None and reg.task else family_command(family, command)
 
     def enqueue_many(self, conn: TxConn, messages: Iterable[Message]) -> list[int]:
         """Write a batch in one round trip; ids come back in input order. All or nothing is

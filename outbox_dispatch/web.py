@@ -17,6 +17,7 @@ import base64
 import hashlib
 import hmac
 import html
+import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -375,8 +376,6 @@ def _short(text: str | None) -> str:
 
 
 def _json(value: Any) -> str:
-    import json
-
     return json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 

@@ -27,6 +27,15 @@ CLAIM_ENTRY = "outbox-dispatch claimer"
 PRUNE_TASK = "outbox.prune"
 CRON_TASK = "outbox.cron"
 QUIET_TASKS = frozenset({CLAIM_TASK, PRUNE_TASK, CRON_TASK})  # no events, no INFO lines
+# The maintenance tasks' options: Celery's own task class (also under task_cls=OutboxTask),
+# not shared with other apps, fire and forget, and no task events (Flower stays quiet).
+MAINTENANCE: dict[str, Any] = {
+    "base": Task,
+    "shared": False,
+    "ignore_result": True,
+    "acks_late": False,
+    "send_events": False,
+}
 
 
 def write_settings(app: Celery) -> None:
@@ -77,14 +86,7 @@ def register_tasks(
         info = getattr(self.request, "delivery_info", None) or {}
         return report(self, task_state(deliver(args, info.get("routing_key"))))
 
-    @app.task(  # type: ignore[untyped-decorator]
-        name=CLAIM_TASK,
-        base=Task,
-        shared=False,
-        ignore_result=True,
-        acks_late=False,
-        send_events=False,
-    )
+    @app.task(name=CLAIM_TASK, **MAINTENANCE)  # type: ignore[untyped-decorator]
     def claim_task(families: Any = None) -> None:
         # a wake names the family whose slot freed; beat passes nothing: every family
         names = [f for f in families if isinstance(f, str)] if isinstance(families, list) else None
@@ -148,14 +150,7 @@ def quiet_celery_logs() -> None:
 def register_periodic(app: Celery, name: str, fn: Callable[[], object]) -> Any:
     """A maintenance task (prune, cron) that beat schedules on the claim queue."""
 
-    @app.task(  # type: ignore[untyped-decorator]
-        name=name,
-        base=Task,
-        shared=False,
-        ignore_result=True,
-        acks_late=False,
-        send_events=False,
-    )
+    @app.task(name=name, **MAINTENANCE)  # type: ignore[untyped-decorator]
     def periodic() -> None:
         fn()
 
