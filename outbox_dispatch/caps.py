@@ -74,6 +74,8 @@ class Caps:
         self._renew_client: redis.Redis | None = None
         self._lock = threading.Lock()
         self._scripts: dict[str, Any] = {}
+        # the databases whose claimers take freed slots (None: the first, keys as before)
+        self.databases: list[str | None] = [None]
 
     @property
     def client(self) -> redis.Redis:
@@ -165,20 +167,37 @@ class Caps:
             self.renew_client if heartbeat else None,
         )
 
-    def freed_key(self, family: str) -> str:
-        return f"{self.prefix}:caps:freed:{family}"
+    def freed_key(self, family: str, database: str | None = None) -> str:
+        """Freed slots for one database's claimer of the family (None: the first database)."""
+        if database is None:
+            return f"{self.prefix}:caps:freed:{family}"
+        return f"{self.prefix}:caps:freed:{database}:{family}"
 
-    def release(self, family: str, actor: str, token: uuid.UUID, scope: str = "") -> bool:
-        """Free the slot and note it for the claimer, which lets the actor's next waiting row in.
-        Returns True when the caller should wake the claimer (once per wake window)."""
+    def release(
+        self,
+        family: str,
+        actor: str,
+        token: uuid.UUID,
+        scope: str = "",
+        database: str | None = None,
+    ) -> bool:
+        """Free the slot and note it for every database's claimer, which lets the actor's next
+        waiting row in. Returns True when the caller should wake the claimer of ``database``,
+        where the row settled (once per wake window); the others find the note at their next
+        pass."""
+        wake = (
+            f"{self.prefix}:wake:{family}"
+            if database is None
+            else (f"{self.prefix}:wake:{database}:{family}")
+        )
         try:
             return (
                 self._run(
                     "release",
                     [
                         self.key(family, actor, scope),
-                        self.freed_key(family),
-                        f"{self.prefix}:wake:{family}",
+                        wake,
+                        *(self.freed_key(family, d) for d in self.databases),
                     ],
                     [str(token), actor, self.wake_ms],
                 )
@@ -210,20 +229,22 @@ class Caps:
                 log, logging.WARNING, "cap_release_failed", f"{_why(exc)}; slots expire with lease"
             )
 
-    def take_freed(self, family: str) -> dict[str, int]:
-        """Actors whose slots freed since the last claim, with how many."""
-        raw = self._run_list("take_freed", [self.freed_key(family)])
+    def take_freed(self, family: str, database: str | None = None) -> dict[str, int]:
+        """Actors whose slots freed since this database's last claim, with how many."""
+        raw = self._run_list("take_freed", [self.freed_key(family, database)])
         pairs = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
         return {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
 
-    def give_back_freed(self, family: str, freed: dict[str, int]) -> None:
+    def give_back_freed(
+        self, family: str, freed: dict[str, int], database: str | None = None
+    ) -> None:
         """A claim that took freed counts and then failed puts them back."""
         if not freed:
             return
         # if Redis fails here too, the waiting rows still come due after one lease
         with contextlib.suppress(redis.RedisError), self.client.pipeline(False) as pipe:
             for actor, n in freed.items():
-                pipe.hincrby(self.freed_key(family), actor, n)
+                pipe.hincrby(self.freed_key(family, database), actor, n)
             pipe.execute()
 
     def _run_list(self, name: str, keys: list[str]) -> list[Any]:

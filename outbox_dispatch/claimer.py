@@ -16,11 +16,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
+from .caps_rebuild import rebuild
 from .logs import event
 from .policy import (
     Candidate,
@@ -56,6 +57,18 @@ class ClaimReport:
     def total(self) -> int:
         return sum(self.claimed.values())
 
+    def merge(self, other: ClaimReport) -> None:
+        """Add another database's pass to this one."""
+        for mine, theirs in (
+            (self.claimed, other.claimed),
+            (self.parked, other.parked),
+            (self.waiting, other.waiting),
+        ):
+            for key, n in theirs.items():
+                _add(mine, key, n)
+        self.rounds = max(self.rounds, other.rounds)
+        self.saturated |= other.saturated
+
 
 class Claimer:
     def __init__(
@@ -70,8 +83,14 @@ class Claimer:
         queued: Callable[[Family], int] = lambda family: 0,
         consumers: Callable[[], int] = lambda: 1,
         run_stats: RunStats | None = None,
+        database: str = "default",
+        primary: bool = True,
+        all_stores: Sequence[Store] = (),
     ) -> None:
         self.store = store
+        self.database = database  # its name, in metrics and logs
+        self.caps_database = None if primary else database  # its freed-slot keys
+        self.all_stores = list(all_stores)  # every database's store: a caps rebuild reads all
         self.families = families
         self.batch = batch
         self.caps = caps
@@ -118,7 +137,7 @@ class Claimer:
         if family.ordered and result.parked_actors and not family.parked_blocks:
             self.store.promote_blocked(family.name, list(result.parked_actors), False)
         elapsed = time.perf_counter() - t0
-        metrics.claimed(family.name, len(result.claimed), elapsed)
+        metrics.claimed(family.name, len(result.claimed), elapsed, self.database)
         if result.claimed or result.waiting:
             event(
                 log,
@@ -189,24 +208,25 @@ class Claimer:
             return [(c.id, tokens[c.id]) for c in plan.take if c.id not in refused], wait
 
         try:
-            freed = caps.take_freed(family.name)
+            freed = caps.take_freed(family.name, self.caps_database)
         except CapsUnavailable:
             freed = {}
         try:
             result = self.store.claim_capped(family, batch, decide, freed)
         except BaseException:
             caps.release_many(list(taken.values()))  # the claim rolled back: give slots back
-            caps.give_back_freed(family.name, freed)
+            caps.give_back_freed(family.name, freed, self.caps_database)
             raise
         # rows parked at claim (their last attempt was lost) do not keep the slot they took
         caps.release_many([taken[i] for i in result.parked if i in taken])
         return result
 
     def rebuild_caps(self) -> int:
-        """Restore every live lease's slot, each for what is left of its own lease."""
+        """Restore every live lease's slot, from every database (caps are global), each for
+        what is left of its own lease; see caps_rebuild.py."""
         caps = self.caps
         assert caps is not None
-        capped = [f for f in self.families.values() if self.is_capped(f)]
+        capped = [f.name for f in self.families.values() if self.is_capped(f)]
 
         def slots(holders: list[Holder]) -> list[tuple[Slot, int]]:
             found = []
@@ -218,8 +238,9 @@ class Claimer:
                     )
             return found
 
-        return self.store.rebuild_caps(
-            [f.name for f in capped],
+        return rebuild(
+            self.all_stores or [self.store],
+            capped,
             lambda holders: caps.restore(slots(holders)),
             lambda gone: caps.release_many([slot for slot, _ in slots(gone)]),
         )

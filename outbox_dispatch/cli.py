@@ -39,24 +39,32 @@ def _rows_text(n: int) -> str:
     return f"{n} row" if n == 1 else f"{n} rows"
 
 
-def _reachable(dispatcher: Any) -> None:
-    """Fail in seconds with the server's own words when the database cannot be reached,
+def _reachable(name: str, url: str) -> None:
+    """Fail in seconds with the server's own words when a database cannot be reached,
     before a pool waits its full timeout and warns page after page."""
     import psycopg
 
     try:
-        psycopg.connect(dispatcher.database_url, connect_timeout=CONNECT_TIMEOUT).close()
+        psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT).close()
     except psycopg.Error as exc:
         reason = mask_dsn(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+        shown = "" if name == "default" else f" {name!r}"
         raise OutboxError(
-            f"cannot reach the outbox database {mask_dsn(dispatcher.database_url)}: {reason}"
+            f"cannot reach the outbox database{shown} {mask_dsn(url)}: {reason}"
         ) from exc
 
 
 def _dispatcher(args: argparse.Namespace) -> Any:
+    """The app's Dispatcher, with the databases the command works on reachable: the one named
+    by ``--database``, else every one."""
     dispatcher, _ = load_dispatcher(args.app)
-    _reachable(dispatcher)
+    for db in dispatcher.chosen_databases(getattr(args, "database", None)):
+        _reachable(db.name, db.url)
     return dispatcher
+
+
+def _several(dispatcher: Any) -> bool:
+    return len(dispatcher.databases) > 1
 
 
 def _positive(text: str) -> int:
@@ -77,16 +85,22 @@ def _emit(args: argparse.Namespace, data: Any, rendered: str) -> None:
         print(rendered)
 
 
-def _database(args: argparse.Namespace) -> tuple[str, str]:
-    """The database URL and schema: from the app, else from options or the environment."""
+def _database(args: argparse.Namespace) -> tuple[list[str], str]:
+    """The database URLs (every database of the app, or the one named by ``--database``) and
+    the schema: from the app, else from options or the environment."""
     if args.app or os.environ.get("OUTBOX_DISPATCH_APP"):
         dispatcher, _ = load_dispatcher(args.app)
-        return dispatcher.database_url, dispatcher.schema
+        urls = [db.url for db in dispatcher.chosen_databases(args.database)]
+        return urls, dispatcher.schema
     url = args.database_url or os.environ.get(DB_ENV, "")
     schema = args.schema or os.environ.get(SCHEMA_ENV, "outbox")
     if not url:
         raise OutboxError(f"{args.command} needs --app, or --database-url / {DB_ENV}")
-    return url, schema
+    if args.database:
+        raise OutboxError(
+            f"{args.command}: --database names one of the app's databases: pass --app"
+        )
+    return [url], schema
 
 
 def cmd_roles(args: argparse.Namespace) -> int:
@@ -94,32 +108,44 @@ def cmd_roles(args: argparse.Namespace) -> int:
     owns the schema, a runtime role that reads and writes rows and can change nothing."""
     from .roles import apply_roles, role_sql
 
-    url, schema = _database(args)
+    urls, schema = _database(args)
     roles = {"migrate_role": args.migrate_role, "runtime_role": args.runtime_role}
-    statements = apply_roles(url, schema, **roles) if args.apply else role_sql(schema, **roles)
+    if args.apply:
+        statements = [s for url in urls for s in apply_roles(url, schema, **roles)]
+    else:
+        statements = role_sql(schema, **roles)
     data = {"schema": schema, "statements": statements, "applied": args.apply}
     _emit(args, data, ";\n".join(statements) + ";")
     return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    url, schema = _database(args)
-    applied = migrate(url, schema)
-    data = {"schema": schema, "applied": applied}
-    text = (
-        f"schema {schema}: applied migrations {applied}"
-        if applied
-        else f"schema {schema}: already up to date"
-    )
-    _emit(args, data, f"{text} ({mask_dsn(url)})")
+    urls, schema = _database(args)
+    lines, applied_all = [], []
+    for url in urls:
+        applied = migrate(url, schema)
+        applied_all.append({"database": mask_dsn(url), "applied": applied})
+        text = (
+            f"schema {schema}: applied migrations {applied}"
+            if applied
+            else f"schema {schema}: already up to date"
+        )
+        lines.append(f"{text} ({mask_dsn(url)})")
+    first = applied_all[0]["applied"]
+    data: dict[str, Any] = {"schema": schema, "applied": first}
+    if len(urls) > 1:
+        data["databases"] = applied_all
+    _emit(args, data, "\n".join(lines))
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     dispatcher = _dispatcher(args)
     queued = dispatcher.queue_lengths()
-    found = [{**dataclasses.asdict(s), "queued": queued.get(s.family)} for s in dispatcher.status()]
-    columns = ["family", "due", "scheduled", "in_flight", "queued", "parked", "cancelled", "done"]
+    statuses = dispatcher.status(args.database)
+    found = [{**dataclasses.asdict(s), "queued": queued.get(s.family)} for s in statuses]
+    columns = ["database"] if _several(dispatcher) else []
+    columns += ["family", "due", "scheduled", "in_flight", "queued", "parked", "cancelled", "done"]
     columns += ["maybe_applied", "waiting", "blocked", "actors_at_cap"]
     shown = [
         {
@@ -136,8 +162,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_parked(args: argparse.Namespace) -> int:
     dispatcher = _dispatcher(args)
     if args.parked_cmd == "list":
-        rows = dispatcher.store.parked_list(family=args.family, limit=args.limit)
-        columns = ["id", "family", "command", "actor", "attempts", "maybe_applied", "parked_at"]
+        rows = dispatcher.parked_list(family=args.family, limit=args.limit, database=args.database)
+        columns = ["database"] if _several(dispatcher) else []
+        columns += ["id", "family", "command", "actor", "attempts", "maybe_applied", "parked_at"]
         text = table(rows, [*columns, "last_error"]) if rows else "no parked rows"
         unknown = args.family is not None and args.family not in dispatcher.families
         if unknown and not rows:
@@ -149,10 +176,10 @@ def cmd_parked(args: argparse.Namespace) -> int:
     if not ids and not args.all:
         raise OutboxError(f"parked {args.parked_cmd}: name row ids, or pass --all")
     if args.parked_cmd == "retry":
-        done = operations.retry_parked(dispatcher, ids, args.family)
+        done = operations.retry_parked(dispatcher, ids, args.family, args.database)
         verb = "due again (attempts reset)"
     else:
-        done = operations.purge_parked(dispatcher, ids, args.family)
+        done = operations.purge_parked(dispatcher, ids, args.family, args.database)
         verb = "deleted"
     missing = sorted(set(ids or []) - set(done.ids))
     text = "; ".join([f"{_rows_text(len(done.ids))} {verb}", *done.reasons])
@@ -172,6 +199,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         command=args.command_name,
         reason=args.reason,
         by=args.by or os.environ.get("USER") or "outbox-dispatch cli",
+        database=args.database,
     )
     text = f"{_rows_text(len(done.ids))} cancelled"
     if done.requested:
@@ -185,7 +213,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     dispatcher = _dispatcher(args)
     with pruning_progress(quiet=args.json) as progress:
-        total = dispatcher.prune(batch=args.batch, max_batches=1_000_000, progress=progress)
+        total = dispatcher.prune(
+            batch=args.batch, max_batches=1_000_000, progress=progress, database=args.database
+        )
     _emit(args, total, f"pruned {_rows_text(sum(total.values()))} {total or ''}".strip())
     return 0
 
@@ -281,6 +311,11 @@ def _common(parser: argparse.ArgumentParser, *, after: bool) -> None:
         "--json", action="store_true", default=default(False), help="machine-readable output"
     )
     parser.add_argument("--log-level", default=default("WARNING"))
+    parser.add_argument(
+        "--database",
+        default=default(None),
+        help="with several databases: only this one (row ids need it)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

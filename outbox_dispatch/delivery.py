@@ -113,8 +113,12 @@ class Delivery:
         on_slot_freed: Callable[[str], None] = lambda family: None,
         rand: Callable[[], float] = random.random,
         run_times: RunTimes | None = None,
+        database: str = "default",
+        primary: bool = True,
     ) -> None:
         self.store = store
+        self.database = database  # its name, in metrics
+        self.caps_database = None if primary else database  # its wake key
         self.registry = registry
         self.families = families
         self.caps = caps
@@ -141,7 +145,7 @@ class Delivery:
             event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
             results = [Result(Outcome.STALE, None, "garbage message")]
         for r in results:
-            metrics.outcome(family_hint, r.outcome.value)
+            metrics.outcome(family_hint, r.outcome.value, self.database)
         return results
 
     def deliver_batch(
@@ -203,6 +207,7 @@ class Delivery:
             attempt=started.attempts,
             idempotency_key=started.dedupe_key or f"outbox:{started.id}",
             maybe_applied=started.maybe_applied,
+            database=self.database,
             _beat=lambda progress: self.heartbeats.beat_now(key, progress),
         )
         soft, hard = _deadlines(family)
@@ -241,7 +246,7 @@ class Delivery:
             return self._start_checked(started, family)
         _ctx, running = self._context(started, family, renew_until)
         self.heartbeats.add(running)
-        metrics.started(started.family, started.waited)
+        metrics.started(started.family, started.waited, self.database)
         t0 = time.perf_counter()
         with tracing.delivery_span(started) as span:
             try:
@@ -252,7 +257,7 @@ class Delivery:
             finally:
                 self.heartbeats.remove(running)
                 elapsed = time.perf_counter() - t0
-                metrics.handled(started.family, started.command, elapsed)
+                metrics.handled(started.family, started.command, elapsed, self.database)
                 if self.run_times is not None:
                     self.run_times.record(started.family, elapsed)
             tracing.finish(span, result.outcome.value, result.detail)
@@ -516,7 +521,9 @@ class Delivery:
         if rule is not None:
             assert self.caps is not None
             assert started.actor is not None
-            if self.caps.release(started.family, started.actor, started.token, rule.scope):
+            if self.caps.release(
+                started.family, started.actor, started.token, rule.scope, self.caps_database
+            ):
                 self.on_slot_freed(started.family)  # a claim lets a waiting row in
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -14,20 +14,26 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 
 from . import metrics, tasks, tracing, wiring
-from .adapters import caller_connection, check_database_url
+from .adapters import caller_connection
 from .caps import Caps
 from .claimer import Claimer, ClaimReport
 from .cron import CatchUp, Schedule
+from .databases import Database, database_urls, pick, split_message
 from .delivery import Delivery, Result
 from .drain import DrainReport, drain
 from .errors import (
     ConfigurationError,
+    DatabaseUnavailable,
     InvalidArgument,
+    MaintenanceFailed,
+    OutboxError,
+    UnknownDatabase,
     UnknownFamily,
 )
 from .handlers import HandlerFn, Registration, Registry
+from .health import Breaker
 from .listener import CommitListener
-from .logs import event
+from .logs import about_database, event
 from .maintenance import Maintenance
 from .migrations import migrate
 from .naming import family_name, identifier
@@ -45,6 +51,7 @@ from .publisher import Publisher, family_command
 from .queues import QueueProbe
 from .rows import Claimed, FamilyStatus
 from .runstats import RunStats, RunTimes
+from .settle import Outcome
 from .store import Store
 from .task_options import TaskCall
 from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
@@ -75,7 +82,8 @@ class Dispatcher:
         self,
         app: Celery,
         *,
-        database_url: str,
+        database_url: str | None = None,
+        databases: Mapping[str, str] | None = None,
         redis_url: str | None = None,
         schema: str = "outbox",
         queue_prefix: str = "outbox",
@@ -92,9 +100,7 @@ class Dispatcher:
         task_family: str = "job",
         task_outside: str = "commit",
     ) -> None:
-        if not database_url:
-            raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
-        check_database_url(database_url)
+        urls = database_urls(database_url, databases)
         if claim_interval <= 0:
             raise ConfigurationError("claim_interval must be > 0 seconds")
         if claim_batch < 1:
@@ -112,7 +118,6 @@ class Dispatcher:
         self.task_outside = task_outside
         self.consumers = consumers
         self.app = app
-        self.database_url = database_url
         self.redis_url = redis_url
         self.schema = identifier(schema, "schema")
         self.queue_prefix = identifier(queue_prefix, "queue_prefix")
@@ -122,31 +127,58 @@ class Dispatcher:
         self.registry = Registry(resolve=self._task_registration)
         if pool_size < 1 or handler_pool_size < 1:
             raise ConfigurationError("pool_size and handler_pool_size must be >= 1")
-        self.store = Store(
-            database_url, self.schema, pool_size=pool_size, handler_pool_size=handler_pool_size
-        )
         self.caps = Caps(redis_url, key_prefix) if redis_url else None
         self.queues = QueueProbe(app, self.queue_name)
-        self.claimer = Claimer(
-            self.store,
-            self.families,
-            batch=claim_batch,
-            caps=self.caps,
-            cap_rule=self.cap_rule,
-            is_capped=self.is_capped,
-            queued=lambda family: self.queues.queued(family),
-            consumers=self._consumers,
-            run_stats=RunStats(self.store),
-        )
-        self.delivery = Delivery(
-            self.store,
-            self.registry,
-            self.families,
-            caps=self.caps,
-            cap_rule=self.cap_rule,
-            on_slot_freed=self.request_claim,
-            run_times=RunTimes(self.store),
-        )
+        several = len(urls) > 1  # then a database that stops answering is skipped (health.py)
+        stores = {
+            name: Store(
+                url,
+                self.schema,
+                pool_size=pool_size,
+                handler_pool_size=handler_pool_size,
+                breaker=Breaker(name) if several else None,
+            )
+            for name, url in urls.items()
+        }
+        self.databases: dict[str, Database] = {}
+        for i, (name, url) in enumerate(urls.items()):
+            store = stores[name]
+            claimer = Claimer(
+                store,
+                self.families,
+                batch=claim_batch,
+                caps=self.caps,
+                cap_rule=self.cap_rule,
+                is_capped=self.is_capped,
+                queued=lambda family: self.queues.queued(family),
+                consumers=self._consumers,
+                run_stats=RunStats(store),
+                database=name,
+                primary=i == 0,
+                all_stores=list(stores.values()),
+            )
+            delivery = Delivery(
+                store,
+                self.registry,
+                self.families,
+                caps=self.caps,
+                cap_rule=self.cap_rule,
+                on_slot_freed=partial(self.request_claim, database=name),
+                run_times=RunTimes(store),
+                database=name,
+                primary=i == 0,
+            )
+            maintenance = Maintenance(store, self.families)
+            self.databases[name] = Database(
+                name, url, i == 0, store, claimer, delivery, maintenance
+            )
+        if self.caps is not None:
+            self.caps.databases = [None if d.primary else d.name for d in self.databases.values()]
+        first = next(iter(self.databases.values()))
+        # the first database's parts under the names a one-database dispatcher always had
+        self.database_url = first.url
+        self.store, self.claimer, self.delivery = first.store, first.claimer, first.delivery
+        self.maintenance = first.maintenance
 
         app.outbox_dispatcher = self  # lets `--app proj:celery_app` find us, as celery -A does
         wiring.write_settings(app)
@@ -156,7 +188,6 @@ class Dispatcher:
         self.publisher = Publisher(app, self._deliver_task, self._shown_name)
         wiring.add_beat_entry(app, claim_interval, self.claim_queue)
         self.prune_batch = prune_batch
-        self.maintenance = Maintenance(self.store, self.families)
         wiring.register_periodic(app, wiring.PRUNE_TASK, self.prune)
         wiring.add_periodic_entry(
             app, "outbox-dispatch prune", wiring.PRUNE_TASK, prune_interval, self.claim_queue
@@ -166,17 +197,43 @@ class Dispatcher:
         wiring.on_configured(app, self._apply_queues)
         self.listen = listen
         if listen:
-            wiring.install_listener_step(app, self.commit_listener)
+            wiring.install_listener_step(app, self.commit_listeners)
         metrics.install_worker_server(app, self)
-        wiring.on_worker_exit(self.delivery.deferred.flush)
+        for db in self.databases.values():
+            wiring.on_worker_exit(db.delivery.deferred.flush)
 
         self.task_family = family_name(task_family)  # declared by the first call, if not yet
 
-    def commit_listener(self) -> CommitListener:
-        """The commit listener a worker runs (listener.py); also usable on its own."""
+    def commit_listener(self, database: str | None = None) -> CommitListener:
+        """The commit listener of one database (the first by default) that a worker runs
+        (listener.py); also usable on its own. It claims that database only."""
+        db = self.database(database)
         return CommitListener(
-            self.database_url, self.schema, self.store.channel, self.claim_and_publish
+            db.url,
+            self.schema,
+            db.store.channel,
+            partial(self.claim_and_publish, database=db.name),
+            database=db.name if len(self.databases) > 1 else None,
         )
+
+    def commit_listeners(self) -> list[CommitListener]:
+        """One listener per database: each database's commits wake its own claims."""
+        return [self.commit_listener(name) for name in self.databases]
+
+    def database(self, name: str | None = None) -> Database:
+        """The database called ``name`` (None: the first)."""
+        if name is None:
+            return next(iter(self.databases.values()))
+        try:
+            return self.databases[name]
+        except KeyError:
+            raise UnknownDatabase(
+                f"no database {name!r}: this dispatcher has {', '.join(map(repr, self.databases))}"
+            ) from None
+
+    def chosen_databases(self, name: str | None) -> list[Database]:
+        """The one database named, or every database."""
+        return list(self.databases.values()) if name is None else [self.database(name)]
 
     # -- declaration ----------------------------------------------------------------------
 
@@ -304,17 +361,20 @@ class Dispatcher:
         """The cap a row counts against, or None when it is not capped."""
         return cap_rule(family, command, self.registry.cap_override(command), actor)
 
-    def request_claim(self, family: str) -> None:
-        """Ask for a claim pass of ``family`` now (a slot freed; the release script asks at
-        most once per 100 ms window): a NOTIFY to the commit listener, which claims in its own
-        thread at once, or with ``listen=False`` a claim task on the claim queue, which waits
-        for a free pool process behind the deliveries."""
+    def request_claim(self, family: str, database: str | None = None) -> None:
+        """Ask for a claim pass of ``family`` in ``database`` (None: the first) now (a slot
+        freed; the release script asks at most once per 100 ms window): a NOTIFY to that
+        database's commit listener, which claims in its own thread at once, or with
+        ``listen=False`` a claim task on the claim queue, which waits for a free pool process
+        behind the deliveries."""
         try:
+            db = self.database(database)
             if self.listen:
-                self.store.request_claim(family)
+                db.store.request_claim(family)
             else:
+                args = ([family],) if db.primary else ([family], db.name)
                 self._claim_task.apply_async(
-                    ([family],), queue=self.claim_queue, expires=self.claim_interval
+                    args, queue=self.claim_queue, expires=self.claim_interval
                 )
         except Exception as exc:  # the beat entry claims anyway; a request only speeds it up
             message = f"could not send a claim request: {exc!r}"
@@ -369,14 +429,18 @@ class Dispatcher:
         dedupe_key: str | None = None,
         delay: timedelta | None = None,
         at: datetime | None = None,
+        database: str | None = None,
     ) -> int:
         """Write one outbox row on the caller's connection, inside the caller's transaction.
 
         Everything is validated before the row is written. With a dedupe key that already has a
-        row, nothing is written and that row's id is returned.
+        row, nothing is written and that row's id is returned. With several databases the row
+        goes to the database of ``conn`` (``database=`` names it when a proxy hides it), and a
+        connection to none of them is refused.
         """
         row = self._prepare(command, payload, actor, dedupe_key, delay, at)
-        return self._insert(caller_connection(conn), row)
+        raw = caller_connection(conn)
+        return self._insert(self._database_of(conn, raw, database), raw, row)
 
     def enqueue_call(self, conn: object, task: str, call: TaskCall, family: str) -> int:
         """The row of a Celery task call (tasks.py) on the caller's connection; with
@@ -386,37 +450,55 @@ class Dispatcher:
         )
         due_now = call.delay is None and call.at is None
         if conn is not None:
-            row_id = self._insert(caller_connection(conn), row)
-            self._same_command(caller_connection(conn), row_id, task, call)
+            raw = caller_connection(conn)
+            db = self._database_of(conn, raw, None)
+            row_id = self._insert(db, raw, row)
+            self._same_command(db.store, raw, row_id, task, call)
             if due_now and type(conn).__module__.startswith("django."):
                 from .contrib.django import wake_on_commit
 
                 wake_on_commit(conn, self, [family])  # only when nobody listens
             return row_id
-        with self.store.connection() as own:
-            row_id = self._insert(own, row)
-            self._same_command(own, row_id, task, call)
+        first = self.database()  # outside any transaction: the first database's outbox
+        with first.store.connection() as own:
+            row_id = self._insert(first, own, row)
+            self._same_command(first.store, own, row_id, task, call)
         if not self.listen and due_now:
             self.request_claim(family)  # committed: the NOTIFY wakes only a listener
         return row_id
 
-    def _same_command(self, conn: Conn, row_id: int, task: str, call: TaskCall) -> None:
+    def database_of(self, conn: TxConn, name: str | None = None) -> Database:
+        """The database the caller's connection writes to (``enqueue`` writes there); refused
+        with UnknownDatabase when it is none of ours."""
+        return self._database_of(conn, caller_connection(conn), name)
+
+    def _database_of(self, conn: object, raw: Conn, name: str | None) -> Database:
+        """The database a caller's connection writes to; a Django connection whose alias is
+        one of our database names is that database."""
+        alias = getattr(conn, "alias", None) if name is None else None
+        if isinstance(alias, str) and alias in self.databases and len(self.databases) > 1:
+            name = alias
+        return pick(self.databases, raw, name)
+
+    def _same_command(
+        self, store: Store, conn: Conn, row_id: int, task: str, call: TaskCall
+    ) -> None:
         """A dedupe key already held by another command's row would hand this call that row:
         refused, so that one task's call is never silently taken for another's."""
         if call.dedupe_key is None:
             return
-        holder = self.store.command_of(conn, row_id)
+        holder = store.command_of(conn, row_id)
         if holder is not None and holder != task:
             raise InvalidArgument(
                 f"{task}: dedupe key {call.dedupe_key!r} is held by row {row_id} of "
                 f"{holder!r}; give each task's calls keys of their own"
             )
 
-    def _insert(self, conn: Conn, row: PreparedRow) -> int:
+    def _insert(self, db: Database, conn: Conn, row: PreparedRow) -> int:
         fam = self.families[row.family]
         if fam.ordered and row.actor is not None:
-            return self.store.insert_ordered(conn, row, parked_blocks=fam.parked_blocks)
-        return self.store.insert(conn, row)
+            return db.store.insert_ordered(conn, row, parked_blocks=fam.parked_blocks)
+        return db.store.insert(conn, row)
 
     def _task_registration(self, command: str) -> Registration | None:
         """A Celery task of the app, for rows its calls wrote (its handler runs the task)."""
@@ -433,22 +515,31 @@ class Dispatcher:
         reg = self.registry.registration(command)
         return command if reg is not None and reg.task else family_command(family, command)
 
-    def enqueue_many(self, conn: TxConn, messages: Iterable[Message]) -> list[int]:
+    def enqueue_many(
+        self, conn: TxConn, messages: Iterable[Message], *, database: str | None = None
+    ) -> list[int]:
         """Write a batch in one round trip; ids come back in input order. All or nothing is
-        validated before anything is written."""
+        validated before anything is written. The database is chosen as for ``enqueue``."""
         rows = []
         for m in messages:
             if not isinstance(m, Message):
                 raise InvalidArgument(f"enqueue_many takes Message objects, got {type(m).__name__}")
             rows.append(self._prepare(m.command, m.payload, m.actor, m.dedupe_key, m.delay, m.at))
-        return self.store.insert_many(caller_connection(conn), rows, self._ordered_families())
+        raw = caller_connection(conn)
+        db = self._database_of(conn, raw, database)
+        return db.store.insert_many(raw, rows, self._ordered_families())
 
     # -- claim, publish, deliver ----------------------------------------------------------
 
-    def publish(self, family: Family, rows: Sequence[Claimed], size: int = 1) -> None:
-        """One message per row, or per ``size`` rows; all on one producer connection."""
+    def publish(
+        self, family: Family, rows: Sequence[Claimed], size: int = 1, database: str | None = None
+    ) -> None:
+        """One message per row, or per ``size`` rows; all on one producer connection. The
+        messages name ``database`` unless it is the first."""
         if rows:
-            self.publisher.publish(family, rows, self.queue_name(family.name), size)
+            db = self.database(database)
+            named = None if db.primary else db.name
+            self.publisher.publish(family, rows, self.queue_name(family.name), size, named)
 
     def _consumers(self) -> int:
         """How many processes consume a family's queue at least: the ``consumers`` setting, or
@@ -457,42 +548,98 @@ class Dispatcher:
             return self.consumers
         return int(self.app.conf.worker_concurrency or os.cpu_count() or 1)
 
-    def claim_and_publish(self, families: list[str] | None = None) -> ClaimReport:
+    def claim_and_publish(
+        self, families: list[str] | None = None, database: str | None = None
+    ) -> ClaimReport:
         """One claimer pass (the beat task): claim each family's (or the named families') due
-        rows and publish them."""
-        report = self.claimer.run(self.publish, budget=self.claim_interval, only=families)
-        if report.total:
-            event(log, logging.INFO, "claim_pass", f"published {report.claimed}")
+        rows and publish them, in every database (or the one named). A database that fails
+        is logged and skipped: the others' rows go on."""
+        chosen = self.chosen_databases(database)
+        if len(chosen) == 1:
+            return self._claim_pass(chosen[0], families)
+        report = ClaimReport()
+        for db in chosen:
+            try:
+                part = self._claim_pass(db, families)
+            except OutboxError as exc:
+                # a database known to be down is said once per probe, not once per pass
+                known = isinstance(exc, DatabaseUnavailable) and exc.repeated
+                with about_database(db.name):
+                    level = logging.DEBUG if known else logging.WARNING
+                    event(log, level, "claim_failed", f"{exc}; the others go on")
+                continue
+            report.merge(part)
         return report
+
+    def _claim_pass(self, db: Database, families: list[str] | None) -> ClaimReport:
+        with about_database(db.name if len(self.databases) > 1 else None):
+            publish = partial(self._publish_to, db.name)
+            report = db.claimer.run(publish, budget=self.claim_interval, only=families)
+            if report.total:
+                event(log, logging.INFO, "claim_pass", f"published {report.claimed}")
+        return report
+
+    def _publish_to(self, database: str, family: Family, rows: list[Claimed], size: int) -> None:
+        self.publish(family, rows, size, database)
 
     def _deliver_from_queue(self, args: tuple[Any, ...], routing_key: str | None) -> list[Result]:
         prefix = self.queue_prefix + "."
         hint = (
             routing_key[len(prefix) :] if routing_key and routing_key.startswith(prefix) else None
         )
-        return self.delivery.deliver_message(args, family_hint=hint, defer=True)
+        name, rest = split_message(args)
+        db = self.database() if name is None else self.databases.get(name)
+        if db is None:  # a forged or foreign name: dropped like any stale message
+            shown = repr(name)[:60]
+            event(log, logging.WARNING, "stale_dropped", f"message names no database {shown}")
+            metrics.outcome(hint, Outcome.STALE.value, "unknown")
+            return [Result(Outcome.STALE, None, f"unknown database {shown}")]
+        with about_database(db.name if len(self.databases) > 1 else None):
+            try:
+                return db.delivery.deliver_message(rest, family_hint=hint, defer=True)
+            except DatabaseUnavailable as exc:
+                # acked without a start: its rows are claimed again after their lease, once the
+                # database is back, and this pool process moves on to other databases' rows
+                level = logging.INFO if exc.repeated else logging.WARNING
+                event(log, level, "stale_dropped", f"{exc}; the message is dropped")
+                metrics.outcome(hint, Outcome.STALE.value, db.name)
+                return [Result(Outcome.STALE, None, f"database {db.name!r} is down")]
 
     def drain(self, timeout: float = 30.0, *, max_rounds: int = 100) -> DrainReport:
-        """Claim and deliver in this process until nothing is due. For tests and scripts.
+        """Claim and deliver in this process until nothing is due, in every database. For
+        tests and scripts.
 
         Raises DrainLoop when deliveries keep making new due work for ``max_rounds`` rounds that
         each took every due row, and DrainTimeout when ``timeout`` seconds pass first.
         """
-        return drain(self.claimer, self.delivery, self.families, timeout, max_rounds)
+        parts = [(db.claimer, db.delivery) for db in self.databases.values()]
+        return drain(parts, self.families, timeout, max_rounds)
 
     # -- operations -----------------------------------------------------------------------
 
-    def migrate(self) -> list[int]:
-        return migrate(self.database_url, self.schema)
+    def migrate(self, database: str | None = None) -> list[int]:
+        """Bring every database's outbox schema (or the named one's) up to date; returns the
+        migrations applied (to any of them)."""
+        applied: set[int] = set()
+        for db in self.chosen_databases(database):
+            applied.update(migrate(db.url, self.schema))
+        return sorted(applied)
 
-    def status(self) -> list[FamilyStatus]:
-        seen = {s.family: s for s in self.store.status()}
+    def status(self, database: str | None = None) -> list[FamilyStatus]:
+        """Each family's counts in each database (or the one named)."""
+        out: list[FamilyStatus] = []
+        for db in self.chosen_databases(database):
+            out += [replace(s, database=db.name) for s in self._status_of(db)]
+        return out
+
+    def _status_of(self, db: Database) -> list[FamilyStatus]:
+        seen = {s.family: s for s in db.store.status()}
         out = [seen.pop(name, FamilyStatus(name, 0, 0, 0, 0, 0, 0, 0.0)) for name in self.families]
         out += list(seen.values())
         special = [f for f in self.families.values() if f.ordered or self.is_capped(f)]
         if not special:
             return out
-        counts, actors = self.store.cap_status([f.name for f in special])
+        counts, actors = db.store.cap_status([f.name for f in special])
         at_cap: dict[str, int] = {}
         for fam_name, _actor, n in actors:
             fam = self.families[fam_name]
@@ -508,14 +655,57 @@ class Dispatcher:
             for s in out
         ]
 
-    def parked_retry(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
+    def parked_retry(
+        self,
+        *,
+        ids: list[int] | None = None,
+        family: str | None = None,
+        database: str | None = None,
+    ) -> list[int]:
         """Parked rows due again with attempts reset; in an ordered family they get back in line
-        behind the actor's head (or become it)."""
-        return self.store.parked_retry(ids=ids, family=family, ordered=self._ordered_families())
+        behind the actor's head (or become it). Row ids are per database: with several, ids
+        need ``database``; without ids, every database's (or the named one's) rows."""
+        ordered = self._ordered_families()
+        return [
+            i
+            for db in self._row_databases(ids, database)
+            for i in db.store.parked_retry(ids=ids, family=family, ordered=ordered)
+        ]
 
-    def parked_purge(self, *, ids: list[int] | None = None, family: str | None = None) -> list[int]:
-        """Delete parked rows; an ordered actor whose parked head is gone gets its next row."""
-        return self.store.parked_purge(ids=ids, family=family, ordered=self._ordered_families())
+    def parked_purge(
+        self,
+        *,
+        ids: list[int] | None = None,
+        family: str | None = None,
+        database: str | None = None,
+    ) -> list[int]:
+        """Delete parked rows; an ordered actor whose parked head is gone gets its next row.
+        Databases are chosen as for ``parked_retry``."""
+        ordered = self._ordered_families()
+        return [
+            i
+            for db in self._row_databases(ids, database)
+            for i in db.store.parked_purge(ids=ids, family=family, ordered=ordered)
+        ]
+
+    def parked_list(
+        self, *, family: str | None = None, limit: int = 100, database: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Parked rows, oldest first, up to ``limit`` per database; each names its database."""
+        return [
+            {"database": db.name, **row}
+            for db in self.chosen_databases(database)
+            for row in db.store.parked_list(family=family, limit=limit)
+        ]
+
+    def _row_databases(self, ids: list[int] | None, database: str | None) -> list[Database]:
+        """Row ids mean a row in one database: with several, they need its name."""
+        if ids and database is None and len(self.databases) > 1:
+            raise InvalidArgument(
+                "row ids are per database and this dispatcher has "
+                f"{', '.join(map(repr, self.databases))}: name the database of the ids"
+            )
+        return self.chosen_databases(database)
 
     def _ordered_families(self) -> dict[str, bool]:
         return {f.name: f.parked_blocks for f in self.families.values() if f.ordered}
@@ -532,6 +722,7 @@ class Dispatcher:
         command: str | None = None,
         reason: str | None = None,
         by: str | None = None,
+        database: str | None = None,
     ) -> CancelResult:
         """Cancel rows on the caller's connection (it commits with the caller): one row by id,
         by dedupe key, or every unsettled row of an actor (optionally of one command).
@@ -556,8 +747,9 @@ class Dispatcher:
             if value is not None and not isinstance(value, str):
                 raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
         ordered = self._ordered_families()
-        now, requested = self.store.cancel(
-            caller_connection(conn),
+        raw = caller_connection(conn)
+        now, requested = self._database_of(conn, raw, database).store.cancel(
+            raw,
             ids=None if row_id is None else [row_id],
             dedupe_key=dedupe_key,
             actor=actor,
@@ -574,14 +766,35 @@ class Dispatcher:
         batch: int | None = None,
         max_batches: int = 100,
         progress: Callable[[str, int], None] | None = None,
+        database: str | None = None,
     ) -> dict[str, int]:
         """Delete delivered and cancelled rows past their family's retention, in batches of
         ``batch`` rows (short transactions, never one long lock); ``progress(family, deleted so
         far)`` is called after each batch that deleted something. Also repairs ordered lines a
-        crash left without a head; one family's failure does not stop the others'."""
-        return self.maintenance.prune(
-            batch=batch or self.prune_batch, max_batches=max_batches, progress=progress
-        )
+        crash left without a head; one family's failure does not stop the others', nor one
+        database's the others'."""
+        total: dict[str, int] = {}
+        failed: list[str] = []
+        for db in self.chosen_databases(database):
+            try:
+                with about_database(db.name if len(self.databases) > 1 else None):
+                    part = db.maintenance.prune(
+                        batch=batch or self.prune_batch, max_batches=max_batches, progress=progress
+                    )
+            except OutboxError as exc:
+                if len(self.databases) == 1:
+                    raise
+                failed.append(db.name)
+                with about_database(db.name):
+                    event(log, logging.ERROR, "maintenance_failed", f"{exc}; the others go on")
+                continue
+            for family, n in part.items():
+                total[family] = total.get(family, 0) + n
+        if failed:
+            raise MaintenanceFailed(
+                f"maintenance failed in databases {failed}; it is tried again next pass"
+            )
+        return total
 
     def cron(
         self,
@@ -620,11 +833,15 @@ class Dispatcher:
         return schedule
 
     def run_cron(self, now: datetime | None = None) -> dict[str, int]:
-        """Write the rows of every schedule's due ticks; safe to run from several processes."""
-        return self.maintenance.run_cron(self.schedules.values(), self.enqueue, now)
+        """Write the rows of every schedule's due ticks, in the first database; safe to run
+        from several processes."""
+        first = self.database()
+        enqueue = partial(self.enqueue, database=first.name)
+        return first.maintenance.run_cron(self.schedules.values(), enqueue, now)
 
     def close(self) -> None:
-        self.store.close()
+        for db in self.databases.values():
+            db.store.close()
         if self.caps is not None:
             self.caps.close()
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .claimer import Claimer
@@ -31,13 +31,13 @@ class DrainReport:
 
 
 def drain(
-    claimer: Claimer,
-    delivery: Delivery,
+    parts: Sequence[tuple[Claimer, Delivery]],
     families: Mapping[str, Family],
     timeout: float = 30.0,
     max_rounds: int = 100,
 ) -> DrainReport:
     """Claim and deliver in this process until nothing is due. For tests and scripts.
+    ``parts``: each database's claimer and delivery.
 
     Raises DrainLoop when deliveries keep making new due work for ``max_rounds`` rounds that
     each took every due row, and DrainTimeout when ``timeout`` seconds pass first.
@@ -47,13 +47,14 @@ def drain(
     idle_rounds = 0
     while True:
         took_all = True
-        batch: list[tuple[Family, Claimed]] = []
-        for fam in list(families.values()):
-            result = claimer.claim_family(fam)
-            batch.extend((fam, c) for c in result.claimed)
-            _bump(report.outcomes, Outcome.PARKED.value, len(result.parked))
-            if result.limit == 0 or len(result.claimed) + len(result.parked) >= result.limit:
-                took_all = False
+        batch: list[tuple[Delivery, Family, Claimed]] = []
+        for claimer, delivery in parts:
+            for fam in list(families.values()):
+                result = claimer.claim_family(fam)
+                batch.extend((delivery, fam, c) for c in result.claimed)
+                _bump(report.outcomes, Outcome.PARKED.value, len(result.parked))
+                if result.limit == 0 or len(result.claimed) + len(result.parked) >= result.limit:
+                    took_all = False
         if not batch and took_all:
             return report
         report.rounds += 1
@@ -64,7 +65,7 @@ def drain(
                     f"drain: deliveries kept staging due rows for {max_rounds} rounds "
                     f"({report.outcomes}): a handler probably enqueues itself without end"
                 )
-        for fam, c in batch:  # each row as a delivery worker runs it, batched or not
+        for delivery, fam, c in batch:  # each row as a delivery worker runs it, batched or not
             res = delivery.deliver(c.id, c.token, family_hint=fam.name)
             _bump(report.outcomes, res.outcome.value, 1)
         if time.monotonic() > deadline:

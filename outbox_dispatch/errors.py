@@ -53,6 +53,22 @@ class DatabaseError(OutboxError):
     """Postgres failed the request: check that it is reachable and the schema is migrated."""
 
 
+class DatabaseUnavailable(DatabaseError):
+    """One of the dispatcher's databases is not answering: its rows wait until it is back,
+    and the other databases' rows go on. Check that it is up and reachable. ``repeated``: the
+    database was already known to be down (the call did not try it), so this says nothing
+    new."""
+
+    def __init__(self, message: str, *, repeated: bool = False) -> None:
+        super().__init__(message)
+        self.repeated = repeated
+
+
+class UnknownDatabase(InvalidArgument):
+    """A connection or name that is none of the dispatcher's databases: the row would never be
+    claimed there. Pass the database to ``Dispatcher(databases=...)``, or use its connection."""
+
+
 class MaintenanceFailed(OutboxError):
     """A maintenance pass (prune, ordered-head repair, cancel cleanup) failed for some families;
     the others were maintained. The log's maintenance_failed events say which and why."""

@@ -18,7 +18,9 @@ class Context:
 
     ``idempotency_key`` is stable across attempts of the same row: pass it to providers that
     deduplicate (payment APIs, mail services). ``maybe_applied`` is true when an earlier attempt
-    ended without an outcome and may have taken effect.
+    ended without an outcome and may have taken effect. ``database`` is the name of the
+    dispatcher's database the row lives in (``default`` with one): a handler of a sharded shop
+    applies the row's effect there.
     """
 
     row_id: int
@@ -30,6 +32,7 @@ class Context:
     maybe_applied: bool
     cancelled: threading.Event = field(default_factory=threading.Event)
     conn: Any = None  # transactional handlers: the connection whose transaction settles the row
+    database: str = "default"
     _beat: Callable[[Any], bool] | None = field(default=None, repr=False)
 
     @property

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import psycopg
 
 from .claimer import ClaimReport
-from .logs import event, mask_dsn
+from .logs import about_database, event, mask_dsn
 from .naming import quoted
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,9 @@ class CommitListener:
         coalesce: float = 0.0,
         standby_retry: float = 5.0,
         refill: float = REFILL,
+        database: str | None = None,
     ) -> None:
+        self.database = database  # its name in log lines, when the dispatcher has several
         self.database_url = database_url
         self.schema = schema
         self.channel = channel
@@ -55,7 +57,8 @@ class CommitListener:
 
     def start(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="outbox-listener", daemon=True)
+        name = "outbox-listener" + (f"-{self.database}" if self.database else "")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -64,6 +67,10 @@ class CommitListener:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        with about_database(self.database):
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 self._serve()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 ROW_FIELDS = ("row_id", "family", "command", "actor", "attempt")
@@ -55,9 +58,26 @@ class MaskDsnFilter(logging.Filter):
         return True
 
 
+# the database a claim pass or a delivery is about, when the dispatcher serves several
+_database: ContextVar[str | None] = ContextVar("outbox_dispatch_database", default=None)
+
+
+@contextmanager
+def about_database(name: str | None) -> Iterator[None]:
+    """Events logged inside the block carry ``database=name`` (None: no such field)."""
+    token = _database.set(name)
+    try:
+        yield
+    finally:
+        _database.reset(token)
+
+
 def event(logger: logging.Logger, level: int, action: str, message: str, **fields: Any) -> None:
     if not logger.isEnabledFor(level):
         return
+    database = _database.get()
+    if database is not None and "database" not in fields:
+        fields = {"database": database, **fields}
     shown = " ".join(f"{k}={fields[k]!r}" for k in fields if fields[k] is not None)
     logger.log(
         level,

@@ -50,30 +50,32 @@ def _instruments() -> _Instruments:
     from prometheus_client import Counter, Histogram
 
     return _Instruments(
-        claimed=Counter("outbox_claimed", "Rows claimed and published to the broker", ["family"]),
+        claimed=Counter(
+            "outbox_claimed", "Rows claimed and published to the broker", ["database", "family"]
+        ),
         outcomes=Counter(
             "outbox_deliveries",
             "Delivery outcomes: delivered, retried, parked, cancelled, stale (message dropped: "
             "its claim no longer held), lost (settle refused: the lease ran out)",
-            ["family", "outcome"],
+            ["database", "family", "outcome"],
         ),
         claim_seconds=Histogram(
             "outbox_claim_duration_seconds",
             "One family's claim: lock, count in flight, lease rows, commit",
-            ["family"],
+            ["database", "family"],
             buckets=DURATION_BUCKETS,
         ),
         start_latency=Histogram(
             "outbox_commit_to_start_seconds",
             "From the moment a row was due (for a row due at enqueue: its transaction) to the "
             "start of its handler",
-            ["family"],
+            ["database", "family"],
             buckets=LATENCY_BUCKETS,
         ),
         handler_seconds=Histogram(
             "outbox_handler_duration_seconds",
             "Handler run time (for a one-row message, its settle included)",
-            ["family", "command"],
+            ["database", "family", "command"],
             buckets=DURATION_BUCKETS,
         ),
     )
@@ -92,28 +94,33 @@ def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
+# Every series carries the database it is about: ``default`` for a dispatcher of one database,
+# ``unknown`` for a message that named none of the dispatcher's databases (a forged name must
+# not become a label of its own).
+
+
 @_guarded
-def claimed(family: str, rows: int, seconds: float) -> None:
+def claimed(family: str, rows: int, seconds: float, database: str = "default") -> None:
     m = _instruments()
-    m.claim_seconds.labels(family).observe(seconds)
+    m.claim_seconds.labels(database, family).observe(seconds)
     if rows:
-        m.claimed.labels(family).inc(rows)
+        m.claimed.labels(database, family).inc(rows)
 
 
 @_guarded
-def outcome(family: str | None, outcome: str) -> None:
-    _instruments().outcomes.labels(family or "unknown", outcome).inc()
+def outcome(family: str | None, outcome: str, database: str = "default") -> None:
+    _instruments().outcomes.labels(database, family or "unknown", outcome).inc()
 
 
 @_guarded
-def started(family: str, waited: float | None) -> None:
+def started(family: str, waited: float | None, database: str = "default") -> None:
     if waited is not None and waited >= 0:
-        _instruments().start_latency.labels(family).observe(waited)
+        _instruments().start_latency.labels(database, family).observe(waited)
 
 
 @_guarded
-def handled(family: str, command: str, seconds: float) -> None:
-    _instruments().handler_seconds.labels(family, command).observe(seconds)
+def handled(family: str, command: str, seconds: float, database: str = "default") -> None:
+    _instruments().handler_seconds.labels(database, family, command).observe(seconds)
 
 
 # -- the scrape side ---------------------------------------------------------------------------
@@ -147,20 +154,31 @@ class OutboxCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        up = GaugeMetricFamily("outbox_up", "1 when Postgres answered this scrape's status query")
-        try:
-            statuses = self.dispatcher.status()
-        except Exception as exc:
-            event(log, logging.WARNING, "metrics_status_failed", f"status query failed: {exc}")
-            up.add_metric([], 0)
-            yield up
-            return
-        up.add_metric([], 1)
+        up = GaugeMetricFamily(
+            "outbox_up",
+            "1 when the database answered this scrape's status query",
+            labels=["database"],
+        )
+        statuses = []
+        for name in self.dispatcher.databases:  # one database down hides only its own rows
+            try:
+                statuses += self.dispatcher.status(name)
+            except Exception as exc:
+                event(
+                    log,
+                    logging.WARNING,
+                    "metrics_status_failed",
+                    f"status query failed: {exc}",
+                    database=name,
+                )
+                up.add_metric([name], 0)
+            else:
+                up.add_metric([name], 1)
         yield up
         for suffix, (text, attr) in GAUGES.items():
-            g = GaugeMetricFamily(f"outbox_{suffix}", text, labels=["family"])
+            g = GaugeMetricFamily(f"outbox_{suffix}", text, labels=["database", "family"])
             for s in statuses:
-                g.add_metric([s.family], float(getattr(s, attr)))
+                g.add_metric([s.database, s.family], float(getattr(s, attr)))
             yield g
         q = GaugeMetricFamily(
             "outbox_queue_length",

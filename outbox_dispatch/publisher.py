@@ -43,19 +43,30 @@ class Publisher:
         self.task = task
         self.name = name
 
-    def publish(self, family: Family, rows: Sequence[Claimed], queue: str, size: int = 1) -> None:
-        """One message per row, or per ``size`` rows; one producer, one pipeline."""
+    def publish(
+        self,
+        family: Family,
+        rows: Sequence[Claimed],
+        queue: str,
+        size: int = 1,
+        database: str | None = None,
+    ) -> None:
+        """One message per row, or per ``size`` rows; one producer, one pipeline.
+        ``database``: the name the messages carry (None for the first database, whose
+        messages carry none; databases.py)."""
         messages: Outgoing = []
         step = max(1, size)
+        head: tuple[Any, ...] = () if database is None else (database,)
         for i in range(0, len(rows), step):
             chunk = rows[i : i + step]
             if len(chunk) == 1:  # a lone row keeps the one-row message (and its Flower name)
                 row = chunk[0]
-                options = message_options(family, row, queue, self.name)
-                messages.append(((row.id, str(row.token)), options))
+                options = message_options(family, row, queue, self.name, database)
+                messages.append(((*head, row.id, str(row.token)), options))
             else:
                 pairs = [[r.id, str(r.token)] for r in chunk]
-                messages.append(((pairs,), batch_options(family, chunk, queue, self.name)))
+                options = batch_options(family, chunk, queue, self.name, database)
+                messages.append(((*head, pairs), options))
         with self.app.producer_or_acquire() as producer, _batched(producer):
             if self._needs_celery_path(queue):
                 for args, options in messages:
@@ -131,16 +142,25 @@ def _batched(producer: Any) -> Iterator[None]:
         yield
 
 
+def _shown_database(database: str | None) -> str:
+    return "" if database is None else f"database={database!r}, "
+
+
 def message_options(
-    family: Family, row: Claimed, queue: str, name: Namer = family_command
+    family: Family,
+    row: Claimed,
+    queue: str,
+    name: Namer = family_command,
+    database: str | None = None,
 ) -> dict[str, Any]:
     """Celery publish options: Flower shows ``<family>:<command>`` (a Celery task's own name
-    for its calls) with row id and actor."""
+    for its calls) with row id and actor, and the database when it is not the first."""
+    where = _shown_database(database)
     return {
         "queue": queue,
         "routing_key": queue,
         "shadow": name(family, row.command),
-        "argsrepr": f"(row={row.id}, actor={row.actor!r}, attempt={row.attempts})",
+        "argsrepr": f"({where}row={row.id}, actor={row.actor!r}, attempt={row.attempts})",
         "kwargsrepr": "{}",
         **_time_limits(family, 1),
     }
@@ -156,7 +176,11 @@ def _time_limits(family: Family, rows: int) -> dict[str, float]:
 
 
 def batch_options(
-    family: Family, rows: Sequence[Claimed], queue: str, name: Namer = family_command
+    family: Family,
+    rows: Sequence[Claimed],
+    queue: str,
+    name: Namer = family_command,
+    database: str | None = None,
 ) -> dict[str, Any]:
     """Celery publish options of a batched message: Flower shows the family and the row ids."""
     commands = sorted({r.command for r in rows})
@@ -165,7 +189,7 @@ def batch_options(
         "queue": queue,
         "routing_key": queue,
         "shadow": f"{shown}[{len(rows)}]",
-        "argsrepr": f"(rows={[r.id for r in rows]})",
+        "argsrepr": f"({_shown_database(database)}rows={[r.id for r in rows]})",
         "kwargsrepr": "{}",
         **_time_limits(family, len(rows)),
     }

@@ -79,6 +79,7 @@ class FamilyStatus:
     waiting: int = 0  # capped rows whose actor is at its cap
     blocked: int = 0  # ordered rows behind their actor's head
     actors_at_cap: int = 0
+    database: str = "default"  # which of the dispatcher's databases these counts are of
 
 
 # -- an operator's view of one row (pure): its state, and what happened to it when ------------

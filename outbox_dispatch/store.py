@@ -17,9 +17,11 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
+from psycopg_pool import PoolTimeout
 
 from .cron import Schedule, due_ticks
-from .errors import DatabaseError, IsolationNotSupported, SchemaNotReady
+from .errors import DatabaseError, DatabaseUnavailable, IsolationNotSupported, SchemaNotReady
+from .health import Breaker
 from .logs import mask_dsn
 from .policy import Candidate, Family, LostAttempt, claim_limit
 from .pool import Conn, Pools
@@ -49,9 +51,16 @@ class Store:
     """Named queries for one schema, over fork-safe pools (pool.py)."""
 
     def __init__(
-        self, database_url: str, schema: str, *, pool_size: int = 4, handler_pool_size: int = 32
+        self,
+        database_url: str,
+        schema: str,
+        *,
+        pool_size: int = 4,
+        handler_pool_size: int = 32,
+        breaker: Breaker | None = None,
     ) -> None:
         self.database_url = database_url
+        self.breaker = breaker
         self.schema = schema
         self._clock_offset = 0.0
         self.q = queries_for(schema)
@@ -77,6 +86,37 @@ class Store:
     def connection(self) -> Iterator[Conn]:
         with self.pools.main().connection() as conn:
             yield conn
+
+    @contextmanager
+    def _starting(self) -> Iterator[Conn]:
+        """A connection for new work (a claim, a delivery start, a claim request). With a
+        breaker (several databases, health.py), it fails at once while this database is
+        down, and a failure to reach it starts the back-off."""
+        if self.breaker is None:
+            with self.connection() as conn:
+                yield conn
+            return
+        timeout = self.breaker.admit()
+        held: Conn | None = None
+        try:
+            with self.pools.main().connection(timeout=timeout) as held:
+                yield held
+        except PoolTimeout as exc:
+            self.breaker.failed("no connection from the pool in time")
+            raise DatabaseUnavailable(
+                f"database {self.breaker.name!r}: no connection from the pool in time; its rows "
+                "wait until it is back, the other databases go on"
+            ) from exc
+        except psycopg.OperationalError as exc:
+            if held is None or held.broken or held.closed:
+                why = mask_dsn(str(exc).strip().splitlines()[0] if str(exc) else repr(exc))
+                self.breaker.failed(why)
+                raise DatabaseUnavailable(
+                    f"database {self.breaker.name!r} stopped answering ({why}); its rows wait "
+                    "until it is back, the other databases go on"
+                ) from exc
+            raise
+        self.breaker.succeeded()
 
     def close(self) -> None:
         self.pools.close()
@@ -174,7 +214,7 @@ class Store:
         Three round trips, pipelined: begin, lock and count; pick; lease and commit."""
         with (
             translated(f"claim of family {family.name}"),
-            self.connection() as conn,
+            self._starting() as conn,
             conn.pipeline(),
         ):
             with conn.transaction():
@@ -209,7 +249,7 @@ class Store:
         many waiting rows of each actor due again."""
         with (
             translated(f"claim of family {family.name}"),
-            self.connection() as conn,
+            self._starting() as conn,
             conn.transaction(),
         ):
             conn.execute(self.q["caps_lock_shared"], {"lock_name": f"{self.schema}.caps"})
@@ -248,31 +288,24 @@ class Store:
         row = cur.fetchone()
         return claim_limit(batch, family.max_in_flight, int(row[0]) if row else 0)
 
-    def rebuild_caps(
-        self,
-        families: list[str],
-        restore: Callable[[list[Holder]], None],
-        drop: Callable[[list[Holder]], None],
-    ) -> int:
-        """Hand every live lease of the capped families to ``restore`` under the exclusive caps
-        lock (no capped claim is between taking slots and committing meanwhile), then ``drop``
-        the restored holders whose row settled meanwhile: a settle does not wait for this lock,
-        and its slot release found nothing to remove before the restore."""
+    @contextmanager
+    def caps_frozen(self, families: list[str]) -> Iterator[list[Holder]]:
+        """Every live lease of the capped families, read under the exclusive caps lock, which
+        is held while the block runs (no capped claim of this database is between taking slots
+        and committing meanwhile)."""
+        with translated("caps rebuild"), self.connection() as conn, conn.transaction():
+            conn.execute(self.q["caps_lock_exclusive"], {"lock_name": f"{self.schema}.caps"})
+            rows = conn.execute(self.q["caps_live_leases"], {"families": families}).fetchall()
+            yield [Holder(r[0], r[1], r[2], r[3], int(r[4])) for r in rows]
+
+    def leases_held(self, tokens: list[UUID]) -> set[UUID]:
+        """The tokens among ``tokens`` whose lease still holds (a settle does not wait for the
+        caps lock, so a holder restored by a rebuild may have settled meanwhile)."""
+        if not tokens:
+            return set()
         with translated("caps rebuild"), self.connection() as conn:
-            with conn.transaction():
-                conn.execute(self.q["caps_lock_exclusive"], {"lock_name": f"{self.schema}.caps"})
-                rows = conn.execute(self.q["caps_live_leases"], {"families": families}).fetchall()
-                holders = [Holder(r[0], r[1], r[2], r[3], int(r[4])) for r in rows]
-                restore(holders)
-            if holders:
-                held = conn.execute(
-                    self.q["caps_leases_held"], {"tokens": [h.token for h in holders]}
-                ).fetchall()
-                still = {r[0] for r in held}
-                gone = [h for h in holders if h.token not in still]
-                if gone:
-                    drop(gone)
-        return len(holders)
+            held = conn.execute(self.q["caps_leases_held"], {"tokens": tokens}).fetchall()
+        return {r[0] for r in held}
 
     def handback(self, row_id: int, token: UUID) -> bool:
         with translated("hand back"), self.connection() as conn:
@@ -301,7 +334,7 @@ class Store:
 
     def begin(self, row_id: int, token: UUID, run_lease: float) -> Started | None:
         """Start an attempt; from now its lease is ``run_lease`` (the heartbeat timeout)."""
-        with translated("delivery start"), self.connection() as conn:
+        with translated("delivery start"), self._starting() as conn:
             row = conn.execute(
                 self.q["deliver_begin"], {"id": row_id, "token": token, "run_lease": run_lease}
             ).fetchone()
@@ -621,7 +654,10 @@ class Store:
         """The families among ``families`` that have a due row now."""
         if not families:
             return set()
-        with translated("claim pass (which families have due rows)"), self.connection() as conn:
+        with (
+            translated("claim pass (which families have due rows)"),
+            self._starting() as conn,
+        ):
             rows = conn.execute(self.q["claim_families_due"], {"families": list(families)})
             return {str(r[0]) for r in rows.fetchall()}
 
@@ -653,7 +689,7 @@ class Store:
 
     def request_claim(self, family: str) -> None:
         """NOTIFY the commit listener, which claims the family at once."""
-        with translated("claim request"), self.connection() as conn:
+        with translated("claim request"), self._starting() as conn:
             conn.execute(self.q["claim_request"], {"channel": self.channel, "family": family})
 
     def sweep_heads(self, family: str, parked_blocks: bool) -> list[int]:

@@ -141,7 +141,7 @@ def _transaction(dispatcher: Dispatcher) -> object | None:
     conn = bound()
     if conn is not None:
         return None if caller_connection(conn).autocommit else conn
-    return django_transaction(dispatcher.database_url)
+    return django_transaction([db.url for db in dispatcher.databases.values()])
 
 
 def _from_beat(options: dict[str, Any]) -> bool:

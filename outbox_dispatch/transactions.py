@@ -7,7 +7,7 @@ else Django's connection to the outbox's database while it is in a transaction
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -35,8 +35,8 @@ def bound() -> object | None:
     return _bound.get()
 
 
-def django_transaction(database_url: str) -> Any | None:
-    """Django's connection (this thread's) to the outbox's database when it is inside a
+def django_transaction(database_urls: Sequence[str]) -> Any | None:
+    """Django's connection (this thread's) to one of the outbox's databases when it is inside a
     transaction, else None. A transaction open only on another database cannot carry the
     row: that is refused, since writing the row apart from it would be a silent dual write."""
     if "django.db" not in sys.modules:
@@ -54,17 +54,16 @@ def django_transaction(database_url: str) -> Any | None:
         )
         if not in_transaction:
             continue
-        if conn.vendor == "postgresql" and same_database(conn.settings_dict, database_url) in (
-            True,
-            None,  # a service file or a default decides: taken as ours, the insert will tell
-        ):
+        same = [same_database(conn.settings_dict, url) for url in database_urls]
+        # a service file or a default decides (None): taken as ours, the enqueue will tell
+        if conn.vendor == "postgresql" and (True in same or None in same):
             ours.append(conn)
         else:
             others.append(conn)
     if len(ours) > 1:
         names = ", ".join(repr(c.alias) for c in ours)
         raise OutsideTransaction(
-            f"Django databases {names} are all in a transaction on the outbox's database: "
+            f"Django databases {names} are all in a transaction on an outbox database: "
             "say which one carries the task calls with `with outbox_dispatch.using("
             "connections[alias]):`"
         )

@@ -179,35 +179,65 @@ class WebApp:
                     "oldest_due_age": f"{s.oldest_due_age:.1f} s",
                 }
             )
-        body = _table(rows, STATUS_COLUMNS, link={"parked": "/parked?family={family}"})
-        return Page("status", _search_form() + body, self._message(params))
+        if self.several:
+            columns = [("database", "database"), *STATUS_COLUMNS]
+            link = {"parked": "/parked?family={family}&db={database}"}
+        else:
+            columns, link = STATUS_COLUMNS, {"parked": "/parked?family={family}"}
+        return Page("status", _search_form() + _table(rows, columns, link), self._message(params))
+
+    @property
+    def several(self) -> bool:
+        return len(self.dispatcher.databases) > 1
+
+    def _database(self, params: dict[str, list[str]]) -> str | None:
+        """The database a request names (``db``), checked; None: every database (or, for row
+        ids, the only one)."""
+        name = _first(params, "db") or None
+        if name is not None and name not in self.dispatcher.databases:
+            raise OutboxError(f"no database {name!r} here")
+        return name
 
     def parked(self, params: dict[str, list[str]]) -> Page:
         family = _first(params, "family") or None
-        rows = self.dispatcher.store.parked_list(family=family, limit=200)
+        db = self._database(params)
+        rows = self.dispatcher.parked_list(family=family, limit=200, database=db)
         if not rows:
             body = "<p>no parked rows</p>"
         else:
-            body = "<table><tr><th>id</th><th>family</th><th>command</th><th>actor</th>"
+            body = "<table><tr>" + ("<th>database</th>" if self.several else "")
+            body += "<th>id</th><th>family</th><th>command</th><th>actor</th>"
             body += "<th>attempts</th><th>parked at</th><th>last error</th><th></th></tr>"
             for r in rows:
+                where = self._where(r["database"])
                 body += (
-                    f'<tr><td><a href="/rows?q={r["id"]}">{r["id"]}</a></td>'
+                    "<tr>"
+                    + (f"<td>{_e(r['database'])}</td>" if self.several else "")
+                    + f'<td><a href="/rows?q={r["id"]}{where}">{r["id"]}</a></td>'
                     f"<td>{_e(r['family'])}</td><td>{_e(r['command'])}</td>"
                     f"<td>{_e(r['actor'] or '-')}</td><td class=n>{r['attempts']}</td>"
                     f"<td>{_when(r['parked_at'])}</td><td>{_e(_short(r['last_error']))}</td>"
-                    f"<td>{self._button('/retry', r['id'], 'retry')}"
-                    f"{self._button('/purge', r['id'], 'purge')}</td></tr>"
+                    f"<td>{self._button('/retry', r['id'], 'retry', r['database'])}"
+                    f"{self._button('/purge', r['id'], 'purge', r['database'])}</td></tr>"
                 )
             body += "</table>"
         title = f"parked rows of {family}" if family else "parked rows"
         return Page(title, body, self._message(params))
 
+    def _where(self, database: str) -> str:
+        """The query part naming a row's database, when there are several."""
+        return f"&db={_e(database)}" if self.several else ""
+
     def rows(self, params: dict[str, list[str]]) -> Page:
         q = _first(params, "q").strip()
         if not q:
             return Page("find a row", _search_form(), self._message(params))
-        found = self.dispatcher.store.find_rows(q, sorted(self.dispatcher.families))
+        families = sorted(self.dispatcher.families)
+        found = [
+            {**r, "database": db.name}
+            for db in self.dispatcher.chosen_databases(self._database(params))
+            for r in db.store.find_rows(q, families)
+        ]
         if not found:
             body = f"<p>no row has the id, actor or dedupe key {_e(q)!s}</p>"
             return Page(f"rows for {q}", _search_form(q) + body, self._message(params))
@@ -215,7 +245,8 @@ class WebApp:
         body = _search_form(q)
         for r in found:
             state = state_of(r, now)
-            body += f"<h2>row {r['id']}: {_e(STATE_WORDS[state])}</h2><table>"
+            where = f" in {_e(r['database'])}" if self.several else ""
+            body += f"<h2>row {r['id']}{where}: {_e(STATE_WORDS[state])}</h2><table>"
             for key in ("family", "command", "actor", "dedupe_key", "attempts", "lost_attempts"):
                 body += f"<tr><th>{key}</th><td>{_e(r[key] if r[key] is not None else '-')}</td>"
             body += "</table><h3>history</h3><table>"
@@ -224,22 +255,22 @@ class WebApp:
             body += f"</table><h3>payload</h3><pre>{_e(_json(r['payload']))}</pre>"
             if r["last_error"]:
                 body += f"<h3>last error</h3><pre>{_e(r['last_error'])}</pre>"
+            db = r["database"]
             if state == "parked":
-                body += self._button("/retry", r["id"], "retry") + self._button(
-                    "/purge", r["id"], "purge"
-                )
+                body += self._button("/retry", r["id"], "retry", db)
+                body += self._button("/purge", r["id"], "purge", db)
             elif state not in ("done", "cancelled"):
-                body += self._button("/cancel", r["id"], "cancel")
+                body += self._button("/cancel", r["id"], "cancel", db)
         return Page(f"rows for {q}", body, self._message(params))
 
     # -- actions ---------------------------------------------------------------------------------
 
     def retry(self, params: dict[str, list[str]]) -> Page:
-        done = operations.retry_parked(self.dispatcher, _ids(params))
+        done = operations.retry_parked(self.dispatcher, _ids(params), None, self._database(params))
         return self._after(params, done, "due again (attempts reset)")
 
     def purge(self, params: dict[str, list[str]]) -> Page:
-        done = operations.purge_parked(self.dispatcher, _ids(params))
+        done = operations.purge_parked(self.dispatcher, _ids(params), None, self._database(params))
         return self._after(params, done, "purged")
 
     def cancel(self, params: dict[str, list[str]]) -> Page:
@@ -248,6 +279,7 @@ class WebApp:
             _ids(params),
             reason="cancelled on the outbox page",
             by=f"outbox page: {self.user}",
+            database=self._database(params),
         )
         text = "cancelled" + (
             f"; running, asked to stop: {done.requested}" if done.requested else ""
@@ -261,7 +293,10 @@ class WebApp:
         ok, warn = f"{rows} {verb}", "; ".join(done.reasons)
         query = {"ok": ok, "warn": warn, "sig": self._sign(ok, warn)}
         ids = _ids(params)
+        db = self._database(params)
         target = f"/rows?q={ids[0]}" if len(ids) == 1 and verb != "purged" else "/parked"
+        if db is not None and self.several:
+            query = {"db": db, **query}
         sep = "&" if "?" in target else "?"
         return Page("", redirect=f"{target}{sep}{urlencode({k: v for k, v in query.items() if v})}")
 
@@ -275,11 +310,12 @@ class WebApp:
             return []
         return [(m, False) for m in [ok] if m] + [(m, True) for m in [warn] if m]
 
-    def _button(self, action: str, row_id: int, label: str) -> str:
+    def _button(self, action: str, row_id: int, label: str, database: str) -> str:
+        db = f'<input type="hidden" name="db" value="{_e(database)}">' if self.several else ""
         return (
             f'<form class="inline" method="post" action="{action}">'
             f'<input type="hidden" name="token" value="{self.token()}">'
-            f'<input type="hidden" name="id" value="{row_id}">'
+            f'<input type="hidden" name="id" value="{row_id}">{db}'
             f'<button type="submit" name="do" value="{label}">{label} row {row_id}</button></form>'
         )
 

@@ -65,7 +65,7 @@ def _soft_defaults(app: Celery) -> None:
 def register_tasks(
     app: Celery,
     deliver: Callable[[tuple[Any, ...], str | None], Sequence[Result]],
-    claim: Callable[[list[str] | None], object],
+    claim: Callable[[list[str] | None, str | None], object],
 ) -> tuple[Any, Any]:
     """The delivery task takes raw args so a garbage message reaches our check, not a TypeError;
     it reports its rows' outcome as its Celery state (task_states.py). The claim task sends
@@ -87,10 +87,11 @@ def register_tasks(
         return report(self, task_state(deliver(args, info.get("routing_key"))))
 
     @app.task(name=CLAIM_TASK, **MAINTENANCE)  # type: ignore[untyped-decorator]
-    def claim_task(families: Any = None) -> None:
-        # a wake names the family whose slot freed; beat passes nothing: every family
+    def claim_task(families: Any = None, database: Any = None) -> None:
+        # a wake names the family whose slot freed (and its database, unless the first); beat
+        # passes nothing: every family of every database
         names = [f for f in families if isinstance(f, str)] if isinstance(families, list) else None
-        claim(names)
+        claim(names, database if isinstance(database, str) else None)
 
     quiet_celery_logs()
     return deliver_task, claim_task
@@ -217,21 +218,23 @@ def on_worker_exit(fn: Callable[[], None]) -> None:
     signals.worker_shutdown.connect(handler, weak=False)
 
 
-def install_listener_step(app: Any, make: Callable[[], CommitListener]) -> None:
-    """Run the commit listener in each worker's main process (not in its pool children)."""
+def install_listener_step(app: Any, make: Callable[[], list[CommitListener]]) -> None:
+    """Run the commit listeners (one per database) in each worker's main process (not in its
+    pool children)."""
     from celery import bootsteps
 
     class OutboxCommitListener(bootsteps.StartStopStep):  # type: ignore[misc]
         def __init__(self, parent: Any, **kwargs: Any) -> None:
             super().__init__(parent, **kwargs)
-            self.listener: CommitListener | None = None
+            self.listeners: list[CommitListener] = []
 
         def start(self, parent: Any) -> None:
-            self.listener = make()
-            self.listener.start()
+            self.listeners = make()
+            for listener in self.listeners:
+                listener.start()
 
         def stop(self, parent: Any) -> None:
-            if self.listener is not None:
-                self.listener.stop()
+            for listener in self.listeners:
+                listener.stop()
 
     app.steps["worker"].add(OutboxCommitListener)

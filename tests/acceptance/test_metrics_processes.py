@@ -56,13 +56,14 @@ def test_prefork_worker_serves_the_sum_of_its_children(
         assert time.monotonic() < deadline, "not delivered in time"
         time.sleep(0.2)
     samples = _wait_scrape(port, worker)
-    key = ("outbox_deliveries_total", (("family", "intent"), ("outcome", "delivered")))
+    db = ("database", "default")
+    key = ("outbox_deliveries_total", (db, ("family", "intent"), ("outcome", "delivered")))
     assert samples[key] == 40  # recorded in two child processes, summed by the main one
     pids = {pid for _, _, pid in _effect_pids(env)}
     assert len(pids) == 2, "both pool processes delivered"
-    assert samples[("outbox_commit_to_start_seconds_count", (("family", "intent"),))] == 40
-    assert samples[("outbox_up", ())] == 1
-    assert samples[("outbox_due", (("family", "intent"),))] == 0
+    assert samples[("outbox_commit_to_start_seconds_count", (db, ("family", "intent")))] == 40
+    assert samples[("outbox_up", (db,))] == 1
+    assert samples[("outbox_due", (db, ("family", "intent")))] == 0
 
 
 def _effect_pids(env: dict[str, str]) -> list[tuple[int, int, int]]:
@@ -89,6 +90,7 @@ def test_metrics_command_serves_gauges(
         "metrics",
     )  # fmt: skip
     samples = _wait_scrape(port, server)
-    assert samples[("outbox_due", (("family", "custom"),))] == 7
-    assert samples[("outbox_oldest_due_age_seconds", (("family", "custom"),))] >= 0
-    assert samples[("outbox_in_flight", (("family", "custom"),))] == 0
+    custom = (("database", "default"), ("family", "custom"))
+    assert samples[("outbox_due", custom)] == 7
+    assert samples[("outbox_oldest_due_age_seconds", custom)] >= 0
+    assert samples[("outbox_in_flight", custom)] == 0

@@ -82,7 +82,7 @@ def test_metrics_endpoint_reports_gauges_counters_and_latency(
     after = scrape(server)
 
     def delta(name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
+        key = (name, tuple(sorted({"database": "default", **labels}.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert delta("outbox_deliveries_total", family="quick", outcome="delivered") == 5
@@ -92,12 +92,14 @@ def test_metrics_endpoint_reports_gauges_counters_and_latency(
     assert delta("outbox_handler_duration_seconds_count", family="quick", command=ok) == 5
     assert delta("outbox_claim_duration_seconds_count", family="quick") >= 1
     # gauges read from Postgres and the broker at scrape time
-    assert after[("outbox_up", ())] == 1
-    assert after[("outbox_parked", (("family", "quick"),))] == 1
-    assert after[("outbox_scheduled", (("family", "quick"),))] == 1
-    assert after[("outbox_due", (("family", "quick"),))] == 0
+    assert after[("outbox_up", (("database", "default"),))] == 1
+    at = (("database", "default"), ("family", "quick"))
+    assert after[("outbox_parked", at)] == 1
+    assert after[("outbox_scheduled", at)] == 1
+    assert after[("outbox_due", at)] == 0
     assert after[("outbox_queue_length", (("family", "quick"),))] == 0
-    assert ("outbox_oldest_due_age_seconds", (("family", "intent"),)) in after
+    intent = (("database", "default"), ("family", "intent"))
+    assert ("outbox_oldest_due_age_seconds", intent) in after
 
 
 def test_queue_length_counts_messages_nobody_consumed(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -31,9 +29,11 @@ def test_message_sizes_stay_in_their_bounds(
         assert size == 1
     if size > 1 and run_time is not None:  # a message's rows fit a tenth of the lease
         assert size * run_time <= lease * LEASE_SHARE
-    if queued == 0 and run_time is None and most >= rows:
-        # an idle queue: the rows are spread over SPREAD messages per consumer (or one per row)
-        assert math.ceil(rows / size) >= min(rows, consumers * SPREAD) - 1
+    if queued == 0 and run_time is None and most >= rows > consumers and most > 1:
+        # an idle queue: the rows are spread over SPREAD messages per consumer (or one per
+        # row): the smallest size that fits them in that many messages
+        spread = min(rows, consumers * SPREAD)
+        assert size * spread >= rows > (size - 1) * spread
 
 
 def test_a_backlog_is_spread_over_the_consumers_and_a_busy_queue_gets_bigger_messages() -> None:

@@ -121,14 +121,15 @@ class _Wake:
     """An ``on_commit`` callback: one claim pass for one family. A class, so that the
     callbacks still pending in a transaction can be recognised."""
 
-    def __init__(self, dispatcher: Dispatcher, family: str) -> None:
+    def __init__(self, dispatcher: Dispatcher, family: str, database: str) -> None:
         self.dispatcher = dispatcher
         self.family = family
+        self.database = database
         # Django names a failing robust callback by its __qualname__
         self.__qualname__ = f"outbox_dispatch wake of family {family!r}"
 
     def __call__(self) -> None:
-        self.dispatcher.request_claim(self.family)
+        self.dispatcher.request_claim(self.family, self.database)
 
 
 def wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[str]) -> None:
@@ -137,6 +138,7 @@ def wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[s
         return
     if not connection.in_atomic_block and not connection.get_autocommit():
         return  # manual transaction management: Django has no on_commit here
+    database = dispatcher.database_of(connection).name
     # Callbacks of a rolled-back savepoint leave run_on_commit, so a family whose wake was
     # discarded with it is registered again.
     pending = {
@@ -147,7 +149,7 @@ def wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[s
     for family in wanted:
         if family not in pending:
             # in autocommit (allow_autocommit=True) on_commit runs the wake right away
-            connection.on_commit(_Wake(dispatcher, family), robust=True)
+            connection.on_commit(_Wake(dispatcher, family, database), robust=True)
 
 
 def _listens(dispatcher: Dispatcher) -> bool:

@@ -1,0 +1,150 @@
+"""The databases one Dispatcher serves. An outbox row commits with the business change, so it
+lives in the database that holds that change; a shop with several databases (shards, regions,
+Django aliases) has an outbox in each. Each database gets its own pools, claimer, commit
+listener, delivery and maintenance; families, handlers, queues and the Redis caps are shared.
+
+A delivery message names its database only when it is not the first one: the first database's
+messages keep the two shapes every earlier version sent, so adding a database to a running shop
+leaves the messages already queued valid.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .adapters import check_database_url, database_target
+from .claimer import Claimer
+from .delivery import Delivery
+from .errors import ConfigurationError, UnknownDatabase
+from .logs import mask_dsn
+from .maintenance import Maintenance
+from .pool import Conn
+from .store import Store
+
+DEFAULT = "default"  # the name of the one database given as ``database_url``
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+Target = tuple[str, str, str]
+
+
+def database_urls(database_url: str | None, databases: Mapping[str, str] | None) -> dict[str, str]:
+    """Name -> URL, checked: ``database_url`` alone is the database ``default``."""
+    if (database_url is None) == (databases is None):
+        raise ConfigurationError(
+            "pass database_url (one database) or databases={name: url, ...} (several), not "
+            "both and not neither"
+        )
+    if database_url is not None:
+        if not database_url:
+            raise ConfigurationError("database_url is required (a postgresql:// URL or DSN)")
+        check_database_url(database_url)
+        return {DEFAULT: database_url}
+    if not isinstance(databases, Mapping) or not databases:
+        raise ConfigurationError("databases must be a non-empty mapping of name -> URL")
+    seen: dict[Target, str] = {}
+    for name, url in databases.items():
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigurationError(
+                f"database name {name!r} is not valid: use 1-40 lower-case letters, digits or "
+                "_, starting with a letter (it is a metric label and part of messages)"
+            )
+        if not isinstance(url, str) or not url:
+            raise ConfigurationError(f"database {name!r} needs a postgresql:// URL or DSN")
+        check_database_url(url)
+        target = url_target(url)
+        if target is not None and target in seen:
+            raise ConfigurationError(
+                f"databases {seen[target]!r} and {name!r} are the same database "
+                f"({mask_dsn(url)}): give each database one entry"
+            )
+        if target is not None:
+            seen[target] = name
+    return dict(databases)
+
+
+def url_target(url: str) -> Target | None:
+    from psycopg.conninfo import conninfo_to_dict
+
+    return database_target(conninfo_to_dict(url))
+
+
+def connection_target(conn: Conn) -> Target | None:
+    """Where a live psycopg connection is connected, from libpq (no round trip)."""
+    info = conn.info
+    return database_target({"host": info.host, "port": info.port, "dbname": info.dbname})
+
+
+@dataclass
+class Database:
+    """One database's outbox and the parts that work on it."""
+
+    name: str
+    url: str
+    primary: bool  # the first database: its messages carry no database name
+    store: Store
+    claimer: Claimer
+    delivery: Delivery
+    maintenance: Maintenance
+
+    @property
+    def target(self) -> Target | None:
+        return url_target(self.url)
+
+
+def pick(databases: Mapping[str, Database], conn: Conn, name: str | None = None) -> Database:
+    """The database of the caller's connection. ``name`` says it outright (for a proxy that
+    hides where a connection goes); a connection that is plainly to another of our databases
+    is still refused. With one database nothing is checked, as before there were several."""
+    if name is not None and name not in databases:
+        raise UnknownDatabase(
+            f"no database {name!r}: this dispatcher has {', '.join(map(repr, databases))}"
+        )
+    if len(databases) == 1:
+        return next(iter(databases.values()))
+    found = _by_connection(databases, conn)
+    if name is not None:
+        if found is not None and found.name != name:
+            raise UnknownDatabase(
+                f"the connection is to database {found.name!r}, not {name!r}: the row must be "
+                "written where your transaction writes"
+            )
+        return databases[name]
+    if found is None:
+        info = conn.info
+        shown = f"database {info.dbname!r} on {info.host}:{info.port}"
+        raise UnknownDatabase(
+            f"the connection is to {shown}, which is none of this dispatcher's databases "
+            f"({', '.join(map(repr, databases))}): add it to Dispatcher(databases=...), or pass "
+            "database= when a proxy hides which one it is"
+        )
+    return found
+
+
+def _by_connection(databases: Mapping[str, Database], conn: Conn) -> Database | None:
+    """Exactly where the connection goes; else the one database of that name on any host (one
+    server reached by two host names)."""
+    where = connection_target(conn)
+    if where is None:
+        return None
+    exact = [d for d in databases.values() if d.target == where]
+    if len(exact) == 1:
+        return exact[0]
+    named = [d for d in databases.values() if d.target is not None and d.target[2] == where[2]]
+    return named[0] if len(named) == 1 else None
+
+
+def message_args(database: Database, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A delivery message's args: the first database's as they always were, another's with
+    its name in front."""
+    return args if database.primary else (database.name, *args)
+
+
+def split_message(args: tuple[Any, ...]) -> tuple[str | None, tuple[Any, ...]]:
+    """(database name or None for the first database, the rest): a message names a database
+    when its first argument is a string (row ids and batches never are)."""
+    if args and isinstance(args[0], str):
+        return args[0], tuple(args[1:])
+    return None, args
