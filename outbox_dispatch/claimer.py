@@ -87,6 +87,8 @@ class Claimer:
         primary: bool = True,
         all_stores: Sequence[Store] = (),
     ) -> None:
+        # max_in_flight holds per database; the family's broker queue is shared by them all
+        self.queue_share = max(1, len(all_stores))
         self.store = store
         self.database = database  # its name, in metrics and logs
         self.caps_database = None if primary else database  # its freed-slot keys
@@ -273,7 +275,11 @@ class Claimer:
             full: list[Family] = []
             for family in pending:
                 queued = self.queued(family)
-                room = broker_room(family.max_in_flight, queued, self._sizes.get(family.name, 1))
+                room = broker_room(
+                    family.max_in_flight * self.queue_share,
+                    queued,
+                    self._sizes.get(family.name, 1),
+                )
                 if room == 0:
                     report.saturated.add(family.name)
                     event(

@@ -54,11 +54,12 @@ def _reachable(name: str, url: str) -> None:
         ) from exc
 
 
-def _dispatcher(args: argparse.Namespace) -> Any:
+def _dispatcher(args: argparse.Namespace, *, check: bool = True) -> Any:
     """The app's Dispatcher, with the databases the command works on reachable: the one named
     by ``--database``, else every one."""
     dispatcher, _ = load_dispatcher(args.app)
-    for db in dispatcher.chosen_databases(getattr(args, "database", None)):
+    chosen = dispatcher.chosen_databases(getattr(args, "database", None))
+    for db in chosen if check else ():
         _reachable(db.name, db.url)
     return dispatcher
 
@@ -140,9 +141,17 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    dispatcher = _dispatcher(args)
+    dispatcher = _dispatcher(args, check=False)
+    statuses, down = [], []
+    for db in dispatcher.chosen_databases(args.database):  # one database down hides only itself
+        try:
+            _reachable(db.name, db.url)
+            statuses += dispatcher.status(db.name)
+        except OutboxError as exc:
+            if not _several(dispatcher):
+                raise
+            down.append(str(exc))
     queued = dispatcher.queue_lengths()
-    statuses = dispatcher.status(args.database)
     found = [{**dataclasses.asdict(s), "queued": queued.get(s.family)} for s in statuses]
     columns = ["database"] if _several(dispatcher) else []
     columns += ["family", "due", "scheduled", "in_flight", "queued", "parked", "cancelled", "done"]
@@ -156,7 +165,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for r in found
     ]
     _emit(args, found, table(shown, [*columns, "oldest_due_age"]))
-    return 0
+    for problem in down:
+        print(problem, file=sys.stderr)
+    return 1 if down else 0
 
 
 def cmd_parked(args: argparse.Namespace) -> int:

@@ -558,9 +558,10 @@ class Dispatcher:
         if len(chosen) == 1:
             return self._claim_pass(chosen[0], families)
         report = ClaimReport()
+        budget = self.claim_interval / len(chosen)  # the pass fits its interval, as with one
         for db in chosen:
             try:
-                part = self._claim_pass(db, families)
+                part = self._claim_pass(db, families, budget)
             except OutboxError as exc:
                 # a database known to be down is said once per probe, not once per pass
                 known = isinstance(exc, DatabaseUnavailable) and exc.repeated
@@ -571,10 +572,13 @@ class Dispatcher:
             report.merge(part)
         return report
 
-    def _claim_pass(self, db: Database, families: list[str] | None) -> ClaimReport:
+    def _claim_pass(
+        self, db: Database, families: list[str] | None, budget: float | None = None
+    ) -> ClaimReport:
         with about_database(db.name if len(self.databases) > 1 else None):
             publish = partial(self._publish_to, db.name)
-            report = db.claimer.run(publish, budget=self.claim_interval, only=families)
+            budget = self.claim_interval if budget is None else budget
+            report = db.claimer.run(publish, budget=budget, only=families)
             if report.total:
                 event(log, logging.INFO, "claim_pass", f"published {report.claimed}")
         return report

@@ -8,6 +8,7 @@ actor), and a database that is cut (the fault proxy) stops only its own rows.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -21,7 +22,8 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from outbox_dispatch import Context, Dispatcher
+from outbox_dispatch import Context, Dispatcher, PermanentFailure
+from outbox_dispatch.cli import main as cli_main
 from outbox_dispatch.errors import ConfigurationError, UnknownDatabase
 from outbox_dispatch.listener import CommitListener
 from outbox_dispatch.migrations import migrate
@@ -320,3 +322,82 @@ def _wait(done: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def test_operators_see_every_database_and_name_one_for_row_ids(
+    make: Callable[..., Dispatcher],
+    shard_urls: dict[str, str],
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    d = make()
+
+    @d.handler("mdb.broken")
+    def broken(ctx: Context, payload: Any) -> None:
+        raise PermanentFailure(f"bad payload in {ctx.database}")
+
+    _enqueue(d, shard_urls["main"], "mdb.broken")
+    (eu_row,) = _enqueue(d, shard_urls["eu"], "mdb.broken")
+    d.drain(timeout=10)
+    spec = "tests.integration.app_ref:dispatcher"
+    monkeypatch.setattr("tests.integration.app_ref.dispatcher", d, raising=False)
+
+    assert cli_main(["--app", spec, "status", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    parked = {(s["database"], s["family"]): s["parked"] for s in status}
+    assert (parked[("main", "intent")], parked[("eu", "intent")], parked[("us", "intent")]) == (
+        1,
+        1,
+        0,
+    )
+    assert cli_main(["--app", spec, "status", "--database", "eu", "--json"]) == 0
+    assert {s["database"] for s in json.loads(capsys.readouterr().out)} == {"eu"}
+
+    assert cli_main(["--app", spec, "parked", "list"]) == 0
+    shown = capsys.readouterr().out
+    assert "bad payload in main" in shown and "bad payload in eu" in shown
+    # a row id means a row of one database: without --database it is refused, nothing done
+    assert cli_main(["--app", spec, "parked", "purge", str(eu_row)]) == 2
+    assert "name the database" in capsys.readouterr().err
+    assert count_rows(shard_urls["eu"], schema) == 1
+    assert cli_main(["--app", spec, "parked", "purge", "--database", "eu", str(eu_row)]) == 0
+    assert "1 row deleted" in capsys.readouterr().out
+    assert count_rows(shard_urls["eu"], schema) == 0
+    assert count_rows(shard_urls["main"], schema) == 1
+    assert cli_main(["--app", spec, "parked", "list", "--database", "moon"]) == 2
+    assert "no database 'moon'" in capsys.readouterr().err
+
+
+def test_status_shows_the_databases_that_answer_and_names_the_one_that_does_not(
+    make: Callable[..., Dispatcher],
+    shard_urls: dict[str, str],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gone = _url_of(database_url, f"od_mdb_gone_{uuid.uuid4().hex[:6]}")
+    d = make({"main": shard_urls["main"], "gone": gone})
+    monkeypatch.setattr("tests.integration.app_ref.dispatcher", d, raising=False)
+    spec = "tests.integration.app_ref:dispatcher"
+    assert cli_main(["--app", spec, "status", "--json"]) == 1
+    out = capsys.readouterr()
+    assert {s["database"] for s in json.loads(out.out)} == {"main"}
+    assert "cannot reach the outbox database 'gone'" in out.err
+    assert "does not exist" in out.err
+
+
+def test_max_in_flight_holds_per_database(
+    make: Callable[..., Dispatcher], shard_urls: dict[str, str]
+) -> None:
+    """The family's broker queue is shared, its in-flight limit is each database's: the first
+    database to claim does not take the others' room."""
+    d = make()
+    d.family("room", max_in_flight=10, batch=1)
+    _seen(d, family="room")
+    for name in ("main", "eu"):
+        _enqueue(d, shard_urls[name], "mdb.record", 15)
+    for _ in range(2):
+        d.claim_and_publish(["room"])
+    in_flight = {s.database: s.in_flight for s in d.status() if s.family == "room"}
+    assert in_flight == {"main": 10, "eu": 10, "us": 0}
