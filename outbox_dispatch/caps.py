@@ -185,11 +185,7 @@ class Caps:
         waiting row in. Returns True when the caller should wake the claimer of ``database``,
         where the row settled (once per wake window); the others find the note at their next
         pass."""
-        wake = (
-            f"{self.prefix}:wake:{family}"
-            if database is None
-            else (f"{self.prefix}:wake:{database}:{family}")
-        )
+        wake = f"{self.prefix}:wake:" + (family if database is None else f"{database}:{family}")
         try:
             return (
                 self._run(

@@ -115,6 +115,10 @@ class Store:
                     f"database {self.breaker.name!r} stopped answering ({why}); its rows wait "
                     "until it is back, the other databases go on"
                 ) from exc
+            self.breaker.succeeded()  # it answered: the error is the work's own
+            raise
+        except BaseException:
+            self.breaker.succeeded()  # a probe that ends any other way must not stay pending
             raise
         self.breaker.succeeded()
 
