@@ -401,3 +401,37 @@ def test_max_in_flight_holds_per_database(
         d.claim_and_publish(["room"])
     in_flight = {s.database: s.in_flight for s in d.status() if s.family == "room"}
     assert in_flight == {"main": 10, "eu": 10, "us": 0}
+
+
+def test_the_outbox_page_covers_every_database_and_acts_on_the_row_of_the_one_named(
+    make: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
+) -> None:
+    from outbox_dispatch.web import WebApp
+
+    from .test_web import call
+
+    d = make()
+
+    @d.handler("mdb.web")
+    def broken(ctx: Context, payload: Any) -> None:
+        raise PermanentFailure(f"down in {ctx.database}")
+
+    _enqueue(d, shard_urls["main"], "mdb.web")
+    (us_row,) = _enqueue(d, shard_urls["us"], "mdb.web")
+    d.drain(timeout=10)
+    web = WebApp(d, user="ops", password="s3cret")
+    status, _, page = call(web, "GET", "/")
+    assert status.startswith("200") and "<th>database</th>" in page and ">us<" in page
+    _, _, parked = call(web, "GET", "/parked")
+    assert "down in main" in parked and "down in us" in parked
+    assert 'name="db" value="us"' in parked
+    _, _, found = call(web, "GET", "/rows", query=f"q={us_row}&db=us")
+    assert f"row {us_row} in us" in found
+    status, headers, _ = call(
+        web, "POST", "/purge", form={"token": web.token(), "id": us_row, "db": "us"}
+    )
+    assert status.startswith("303") and "db=us" in headers["Location"]
+    assert count_rows(shard_urls["us"], schema) == 0
+    assert count_rows(shard_urls["main"], schema) == 1  # its row of the same command stays
+    _, _, refused = call(web, "GET", "/parked", query="db=moon")
+    assert "no database &#x27;moon&#x27; here" in refused or "no database 'moon' here" in refused
