@@ -16,6 +16,10 @@ from .errors import DatabaseUnavailable
 FIRST_BACKOFF = 1.0  # seconds new work waits after a failure before one call probes again
 MAX_BACKOFF = 10.0
 PROBE_TIMEOUT = 2.0  # seconds a probe waits for a pool connection before it counts as down
+# seconds new work waits for a pool connection while the database is up: far above what a busy
+# pool makes anyone wait for a few-millisecond statement, far below the pool's own 30 s that a
+# worker process starting while the database is down would otherwise lose per database
+NEW_WORK_TIMEOUT = 3.0
 
 
 class Breaker:
@@ -32,13 +36,13 @@ class Breaker:
     def down(self) -> bool:
         return self._backoff > 0
 
-    def admit(self) -> float | None:
-        """Let a new piece of work through, returning how long it may wait for a connection
-        (None: the pool's own timeout, the database is up); raises DatabaseUnavailable while
-        the database is in its back-off or another call is probing it."""
+    def admit(self) -> float:
+        """Let a new piece of work through, returning how long it may wait for a connection;
+        raises DatabaseUnavailable while the database is in its back-off or another call is
+        probing it."""
         with self._lock:
             if not self._backoff:
-                return None
+                return NEW_WORK_TIMEOUT
             if self._probing or self.clock() < self._down_until:
                 raise DatabaseUnavailable(
                     f"database {self.name!r} is not answering ({self.last_error}); its rows wait "

@@ -20,6 +20,7 @@ from celery.signals import before_task_publish
 
 from outbox_dispatch import Backoff, Context, Dispatcher
 
+from .databases_support import make_dispatcher, shard_urls  # noqa: F401 (several databases)
 from .django_support import listening, order_model, orders  # noqa: F401 (for the Django tests)
 
 

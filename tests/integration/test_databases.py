@@ -9,81 +9,22 @@ actor), and a database that is cut (the fault proxy) stops only its own rows.
 from __future__ import annotations
 
 import json
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 import redis
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 from outbox_dispatch import Context, Dispatcher, PermanentFailure
 from outbox_dispatch.cli import main as cli_main
 from outbox_dispatch.errors import ConfigurationError, UnknownDatabase
-from outbox_dispatch.listener import CommitListener
-from outbox_dispatch.migrations import migrate
 from outbox_dispatch.settle import Outcome
-from tests.faultproxy import FaultProxy
 
 from ..conftest import count_rows
-
-
-def _url_of(database_url: str, name: str) -> str:
-    return database_url.rsplit("/", 1)[0] + "/" + name
-
-
-@pytest.fixture(scope="session")
-def shard_urls(database_url: str, schema: str, run_id: str) -> Iterator[dict[str, str]]:
-    """main (the session's database) and two databases made for this run."""
-    names = [f"od_mdb_{run_id}_{n}" for n in (1, 2)]
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        for name in names:
-            conn.execute(f'CREATE DATABASE "{name}"')
-    urls = {"main": database_url, "eu": _url_of(database_url, names[0])}
-    urls["us"] = _url_of(database_url, names[1])
-    for url in list(urls.values())[1:]:
-        migrate(url, schema)
-    yield urls
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        for name in names:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture
-def make(
-    shard_urls: dict[str, str], redis_url: str, schema: str, key_prefix: str
-) -> Iterator[Callable[..., Dispatcher]]:
-    """A Dispatcher over the shards on a Redis prefix of its own, every outbox emptied."""
-    made: list[Dispatcher] = []
-
-    def build(urls: dict[str, str] | None = None, **kwargs: Any) -> Dispatcher:
-        app = Celery("mdb", broker=redis_url, set_as_current=False)
-        prefix = f"{key_prefix}mdb{uuid.uuid4().hex[:6]}:"
-        app.conf.broker_transport_options = {"global_keyprefix": prefix}
-        app.conf.worker_hijack_root_logger = False
-        options: dict[str, Any] = {"listen": False, **kwargs}
-        d = Dispatcher(
-            app,
-            databases=urls or shard_urls,
-            redis_url=redis_url,
-            schema=schema,
-            key_prefix=prefix.rstrip(":"),
-            **options,
-        )
-        made.append(d)
-        return d
-
-    for url in shard_urls.values():
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(f'TRUNCATE "{schema}".outbox')
-    yield build
-    for d in made:
-        d.close()
+from .databases_support import url_of
 
 
 def _enqueue(d: Dispatcher, url: str, command: str, n: int = 1, **kw: Any) -> list[int]:
@@ -103,9 +44,9 @@ def _seen(d: Dispatcher, family: str = "intent") -> list[tuple[str, int, str | N
 
 
 def test_rows_go_to_the_database_of_the_connection(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
+    make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
 ) -> None:
-    d = make()
+    d = make_dispatcher()
     seen = _seen(d)
     for name, url in shard_urls.items():
         _enqueue(d, url, "mdb.record", 2 if name == "eu" else 1)
@@ -119,13 +60,13 @@ def test_rows_go_to_the_database_of_the_connection(
 
 
 def test_sqlalchemy_and_the_localhost_spelling_find_their_database(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
+    make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
 ) -> None:
     """A session bound to the eu database (reached as localhost, not 127.0.0.1) writes there."""
     sqlalchemy = pytest.importorskip("sqlalchemy")
     from sqlalchemy.orm import Session
 
-    d = make()
+    d = make_dispatcher()
     d.declare("mdb.orm")
     url = shard_urls["eu"].replace("postgresql://", "postgresql+psycopg://")
     engine = sqlalchemy.create_engine(url.replace("127.0.0.1", "localhost"))
@@ -139,11 +80,14 @@ def test_sqlalchemy_and_the_localhost_spelling_find_their_database(
 
 
 def test_a_connection_to_another_database_is_refused_and_writes_nothing(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str], database_url: str, schema: str
+    make_dispatcher: Callable[..., Dispatcher],
+    shard_urls: dict[str, str],
+    database_url: str,
+    schema: str,
 ) -> None:
-    d = make()
+    d = make_dispatcher()
     d.declare("mdb.refused")
-    with psycopg.connect(_url_of(database_url, "postgres")) as conn:
+    with psycopg.connect(url_of(database_url, "postgres")) as conn:
         with pytest.raises(UnknownDatabase, match="none of this dispatcher's databases"):
             d.enqueue(conn, "mdb.refused")
     with psycopg.connect(shard_urls["eu"]) as conn:
@@ -166,11 +110,11 @@ def test_configuration_is_checked(shard_urls: dict[str, str], redis_url: str) ->
 
 
 def test_messages_name_their_database_and_a_forged_name_is_stale(
-    make: Callable[..., Dispatcher],
+    make_dispatcher: Callable[..., Dispatcher],
     shard_urls: dict[str, str],
     published: list[dict[str, Any]],
 ) -> None:
-    d = make()
+    d = make_dispatcher()
     _seen(d)
     main_id = _enqueue(d, shard_urls["main"], "mdb.record")[0]
     eu_id = _enqueue(d, shard_urls["eu"], "mdb.record")[0]
@@ -189,11 +133,11 @@ def test_messages_name_their_database_and_a_forged_name_is_stale(
 
 
 def test_caps_are_global_over_databases(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
+    make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
 ) -> None:
     """cap 1: actor A's rows in two databases run one at a time; a settle in one database
     lets the other database's waiting row in at its next claim."""
-    d = make()
+    d = make_dispatcher()
     d.family("capped", per_actor=1, lease=30)
     _seen(d, family="capped")
     _enqueue(d, shard_urls["main"], "mdb.record", actor="A")
@@ -208,9 +152,9 @@ def test_caps_are_global_over_databases(
 
 
 def test_a_caps_rebuild_reads_every_database(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str], redis_url: str
+    make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str], redis_url: str
 ) -> None:
-    d = make()
+    d = make_dispatcher()
     d.family("capped", per_actor=1, lease=30)
     _seen(d, family="capped")
     _enqueue(d, shard_urls["main"], "mdb.record", actor="A")
@@ -231,9 +175,9 @@ def test_a_caps_rebuild_reads_every_database(
 
 
 def test_ordered_lines_are_per_database_and_actor(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str]
+    make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str]
 ) -> None:
-    d = make()
+    d = make_dispatcher()
     d.family("line", ordered=True)
     _seen(d, family="line")
     main = _enqueue(d, shard_urls["main"], "mdb.record", 2, actor="A")
@@ -245,93 +189,14 @@ def test_ordered_lines_are_per_database_and_actor(
     assert heads == [[main[0]], [eu[0]]]  # each database's line has its own head
 
 
-def test_one_database_cut_stops_only_its_own_rows(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
-) -> None:
-    """us is behind a fault proxy, cut while its messages wait in the queue: the worker drops
-    them at once and delivers main's and eu's rows; us's rows run once it is back."""
-    with FaultProxy(5432) as proxy:
-        urls = {**shard_urls, "us": proxy.url(shard_urls["us"])}
-        d = make(urls, claim_interval=0.2)
-        d.family("intent", lease=2)  # us's claimed rows are claimed again soon after it is back
-        seen = _seen(d)
-        listeners = d.commit_listeners()  # one per database, as a worker runs them
-        _enqueue(d, urls["us"], "mdb.record", 3)
-        assert d.claim_and_publish(database="us").total == 3  # their messages wait in Redis
-        proxy.cut()
-        _enqueue(d, urls["main"], "mdb.record", 5)
-        _enqueue(d, urls["eu"], "mdb.record", 5)
-        # written to us past the proxy: its workers cannot reach it meanwhile
-        _enqueue(d, shard_urls["us"], "mdb.record", 4, database="us")
-        t0 = time.monotonic()
-        with (
-            start_worker(
-                d.app,
-                pool="threads",
-                concurrency=2,
-                perform_ping_check=False,
-                loglevel="WARNING",
-                shutdown_timeout=10,
-            ),
-            _beat(d, 0.2),
-            _running(listeners),
-        ):
-            _wait(lambda: len(seen) == 10, "main's and eu's rows while us is cut")
-            cut_delivery = time.monotonic() - t0
-            assert sorted({db for db, _, _ in seen}) == ["eu", "main"]
-            assert count_rows(shard_urls["us"], schema) == 7
-            proxy.restore()
-            _wait(lambda: len(seen) == 17, "us's rows after it is back", timeout=40)
-            _wait(lambda: count_rows(shard_urls["us"], schema) == 0, "us's rows settled")
-    assert cut_delivery < 10, f"the cut database slowed the others: {cut_delivery:.1f} s"
-    assert len({(db, row) for db, row, _ in seen}) == 17  # none ran twice
-    assert all(count_rows(url, schema) == 0 for url in shard_urls.values())
-
-
-@contextmanager
-def _running(listeners: list[CommitListener]) -> Iterator[None]:
-    for listener in listeners:
-        listener.start()
-    try:
-        yield
-    finally:
-        for listener in listeners:
-            listener.stop()
-
-
-@contextmanager
-def _beat(d: Dispatcher, interval: float) -> Iterator[None]:
-    """Beat's claim entry, in a thread: a pass over every database each ``interval``."""
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.wait(interval):
-            d.claim_and_publish()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(10)
-
-
-def _wait(done: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_operators_see_every_database_and_name_one_for_row_ids(
-    make: Callable[..., Dispatcher],
+    make_dispatcher: Callable[..., Dispatcher],
     shard_urls: dict[str, str],
     schema: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    d = make()
+    d = make_dispatcher()
 
     @d.handler("mdb.broken")
     def broken(ctx: Context, payload: Any) -> None:
@@ -370,14 +235,14 @@ def test_operators_see_every_database_and_name_one_for_row_ids(
 
 
 def test_status_shows_the_databases_that_answer_and_names_the_one_that_does_not(
-    make: Callable[..., Dispatcher],
+    make_dispatcher: Callable[..., Dispatcher],
     shard_urls: dict[str, str],
     database_url: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    gone = _url_of(database_url, f"od_mdb_gone_{uuid.uuid4().hex[:6]}")
-    d = make({"main": shard_urls["main"], "gone": gone})
+    gone = url_of(database_url, f"od_mdb_gone_{uuid.uuid4().hex[:6]}")
+    d = make_dispatcher({"main": shard_urls["main"], "gone": gone})
     monkeypatch.setattr("tests.integration.app_ref.dispatcher", d, raising=False)
     spec = "tests.integration.app_ref:dispatcher"
     assert cli_main(["--app", spec, "status", "--json"]) == 1
@@ -388,11 +253,11 @@ def test_status_shows_the_databases_that_answer_and_names_the_one_that_does_not(
 
 
 def test_max_in_flight_holds_per_database(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str]
+    make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str]
 ) -> None:
     """The family's broker queue is shared, its in-flight limit is each database's: the first
     database to claim does not take the others' room."""
-    d = make()
+    d = make_dispatcher()
     d.family("room", max_in_flight=10, batch=1)
     _seen(d, family="room")
     for name in ("main", "eu"):
@@ -404,13 +269,13 @@ def test_max_in_flight_holds_per_database(
 
 
 def test_the_outbox_page_covers_every_database_and_acts_on_the_row_of_the_one_named(
-    make: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
+    make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
 ) -> None:
     from outbox_dispatch.web import WebApp
 
     from .test_web import call
 
-    d = make()
+    d = make_dispatcher()
 
     @d.handler("mdb.web")
     def broken(ctx: Context, payload: Any) -> None:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from outbox_dispatch.errors import DatabaseUnavailable
-from outbox_dispatch.health import FIRST_BACKOFF, MAX_BACKOFF, PROBE_TIMEOUT, Breaker
+from outbox_dispatch.health import (
+    FIRST_BACKOFF,
+    MAX_BACKOFF,
+    NEW_WORK_TIMEOUT,
+    PROBE_TIMEOUT,
+    Breaker,
+)
 
 
 class Clock:
@@ -21,7 +27,7 @@ class Clock:
 def test_a_down_database_is_probed_by_one_call_after_a_growing_back_off() -> None:
     clock = Clock()
     b = Breaker("eu", clock)
-    assert b.admit() is None  # up: the pool's own timeout
+    assert b.admit() == NEW_WORK_TIMEOUT  # up
     b.failed("connection refused")
     with pytest.raises(DatabaseUnavailable, match="'eu' is not answering") as refused:
         b.admit()
@@ -38,6 +44,6 @@ def test_a_down_database_is_probed_by_one_call_after_a_growing_back_off() -> Non
     clock.now = b._down_until
     assert b.admit() == PROBE_TIMEOUT
     b.succeeded()
-    assert not b.down and b.admit() is None
+    assert not b.down and b.admit() == NEW_WORK_TIMEOUT
     b.failed("again")
     assert b._down_until - clock.now == FIRST_BACKOFF  # a new outage starts over
