@@ -124,16 +124,14 @@ def pick(databases: Mapping[str, Database], conn: Conn, name: str | None = None)
 
 
 def _by_connection(databases: Mapping[str, Database], conn: Conn) -> Database | None:
-    """Exactly where the connection goes; else the one database of that name on any host (one
-    server reached by two host names)."""
+    """The database exactly where the connection goes (host, port, name; the loopback names
+    count as one host). A database of the same name elsewhere is not taken for it: a staging
+    server's ``shop`` is not production's, and a row written there would never be claimed."""
     where = connection_target(conn)
     if where is None:
         return None
     exact = [d for d in databases.values() if d.target == where]
-    if len(exact) == 1:
-        return exact[0]
-    named = [d for d in databases.values() if d.target is not None and d.target[2] == where[2]]
-    return named[0] if len(named) == 1 else None
+    return exact[0] if len(exact) == 1 else None
 
 
 def message_args(database: Database, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -22,6 +22,7 @@ from outbox_dispatch import Context, Dispatcher, PermanentFailure
 from outbox_dispatch.cli import main as cli_main
 from outbox_dispatch.errors import ConfigurationError, UnknownDatabase
 from outbox_dispatch.settle import Outcome
+from tests.faultproxy import FaultProxy
 
 from ..conftest import count_rows
 from .databases_support import url_of
@@ -95,7 +96,16 @@ def test_a_connection_to_another_database_is_refused_and_writes_nothing(
             d.enqueue(conn, "mdb.refused", database="us")
         with pytest.raises(UnknownDatabase, match="no database 'moon'"):
             d.enqueue(conn, "mdb.refused", database="moon")
-    assert all(count_rows(url, schema) == 0 for url in shard_urls.values())
+    # eu's database by another address (a proxy, an IP for the host name): not taken for eu
+    # on its name alone, but written there when the caller says so
+    with FaultProxy(5432) as proxy, psycopg.connect(proxy.url(shard_urls["eu"])) as conn:
+        with pytest.raises(UnknownDatabase, match="pass database= when a proxy hides"):
+            d.enqueue(conn, "mdb.refused")
+        conn.rollback()
+        with conn.transaction():
+            d.enqueue(conn, "mdb.refused", database="eu")
+    assert count_rows(shard_urls["eu"], schema) == 1
+    assert count_rows(shard_urls["main"], schema) == count_rows(shard_urls["us"], schema) == 0
 
 
 def test_configuration_is_checked(shard_urls: dict[str, str], redis_url: str) -> None:
