@@ -55,13 +55,14 @@ class Inline:
         self.reports: list[DrainReport] = []
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
-        self.listener = CommitListener(
-            dispatcher.database_url,
-            dispatcher.schema,
-            dispatcher.store.channel,
-            self._deliver,
-            standby_retry=0.1,
-        )
+        # one per database: a commit to any of them is delivered (the drain covers them all)
+        self.listeners = [
+            CommitListener(
+                db.url, dispatcher.schema, db.store.channel, self._deliver, standby_retry=0.1
+            )
+            for db in dispatcher.databases.values()
+        ]
+        self.listener = self.listeners[0]
 
     def _deliver(self, families: list[str]) -> ClaimReport:
         with self._lock:
@@ -88,12 +89,15 @@ class Inline:
 @pytest.fixture
 def outbox_inline(outbox_dispatcher: Dispatcher) -> Iterator[Inline]:
     inline = Inline(outbox_dispatcher)
-    inline.listener.start()
-    if not inline.listener.leading.wait(10):
-        inline.listener.stop()
-        pytest.fail(
-            "outbox_inline: another process listens on this schema (a running worker?): "
-            "stop it or use outbox_drain"
-        )
-    yield inline
-    inline.listener.stop()
+    for listener in inline.listeners:
+        listener.start()
+    try:
+        if not all(listener.leading.wait(10) for listener in inline.listeners):
+            pytest.fail(
+                "outbox_inline: another process listens on this schema (a running worker?): "
+                "stop it or use outbox_drain"
+            )
+        yield inline
+    finally:
+        for listener in inline.listeners:
+            listener.stop()
