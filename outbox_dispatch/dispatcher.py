@@ -122,6 +122,7 @@ class Dispatcher:
         self.schema = identifier(schema, "schema")
         self.queue_prefix = identifier(queue_prefix, "queue_prefix")
         self.claim_interval = claim_interval
+        self.claim_batch = claim_batch
         self.payload_limit = payload_limit
         self.families: dict[str, Family] = builtin_families()
         self.registry = Registry(resolve=self._task_registration)
@@ -140,38 +141,9 @@ class Dispatcher:
             )
             for name, url in urls.items()
         }
-        self.databases: dict[str, Database] = {}
-        for i, (name, url) in enumerate(urls.items()):
-            store = stores[name]
-            claimer = Claimer(
-                store,
-                self.families,
-                batch=claim_batch,
-                caps=self.caps,
-                cap_rule=self.cap_rule,
-                is_capped=self.is_capped,
-                queued=lambda family: self.queues.queued(family),
-                consumers=self._consumers,
-                run_stats=RunStats(store),
-                database=name,
-                primary=i == 0,
-                all_stores=list(stores.values()),
-            )
-            delivery = Delivery(
-                store,
-                self.registry,
-                self.families,
-                caps=self.caps,
-                cap_rule=self.cap_rule,
-                on_slot_freed=partial(self.request_claim, database=name),
-                run_times=RunTimes(store),
-                database=name,
-                primary=i == 0,
-            )
-            maintenance = Maintenance(store, self.families)
-            self.databases[name] = Database(
-                name, url, i == 0, store, claimer, delivery, maintenance
-            )
+        self.databases: dict[str, Database] = {
+            name: self._database_parts(name, i == 0, stores) for i, name in enumerate(stores)
+        }
         if self.caps is not None:
             self.caps.databases = [None if d.primary else d.name for d in self.databases.values()]
         first = next(iter(self.databases.values()))
@@ -203,6 +175,38 @@ class Dispatcher:
             wiring.on_worker_exit(db.delivery.deferred.flush)
 
         self.task_family = family_name(task_family)  # declared by the first call, if not yet
+
+    def _database_parts(self, name: str, primary: bool, stores: dict[str, Store]) -> Database:
+        """One database's claimer, delivery and maintenance over its store; the claimer sees
+        every store, since a caps rebuild reads them all."""
+        store = stores[name]
+        claimer = Claimer(
+            store,
+            self.families,
+            batch=self.claim_batch,
+            caps=self.caps,
+            cap_rule=self.cap_rule,
+            is_capped=self.is_capped,
+            queued=lambda family: self.queues.queued(family),
+            consumers=self._consumers,
+            run_stats=RunStats(store),
+            database=name,
+            primary=primary,
+            all_stores=list(stores.values()),
+        )
+        delivery = Delivery(
+            store,
+            self.registry,
+            self.families,
+            caps=self.caps,
+            cap_rule=self.cap_rule,
+            on_slot_freed=partial(self.request_claim, database=name),
+            run_times=RunTimes(store),
+            database=name,
+            primary=primary,
+        )
+        maintenance = Maintenance(store, self.families)
+        return Database(name, store.database_url, primary, store, claimer, delivery, maintenance)
 
     def commit_listener(self, database: str | None = None) -> CommitListener:
         """The commit listener of one database (the first by default) that a worker runs
