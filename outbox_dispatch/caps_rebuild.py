@@ -2,7 +2,9 @@
 every database count against one cap, so the semaphores are complete only with the live leases
 of every database. Each database's caps lock is held, exclusively, from reading its leases until
 the restored set is marked complete, so no capped claim anywhere takes a slot in between; the
-locks are taken in the dispatcher's database order, the same in every process. A database that
+locks are taken in the order of the databases' names, the same in every process whatever order
+its configuration lists them in (locks on two servers can deadlock past Postgres's sight). A
+database that
 cannot be read stops the rebuild (capped rows everywhere wait for it): restoring without its
 holders would let their actors past their caps."""
 
@@ -25,7 +27,7 @@ def rebuild(
     locks are held, then ``drop`` those whose row settled meanwhile; returns how many."""
     found: list[tuple[Store, list[Holder]]] = []
     with ExitStack() as locks:
-        for store in stores:
+        for store in sorted(stores, key=lambda s: s.name):
             found.append((store, locks.enter_context(store.caps_frozen(families))))
         restore([h for _, holders in found for h in holders])
     for store, holders in found:

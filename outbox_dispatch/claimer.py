@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .caps_rebuild import rebuild
+from .errors import DatabaseError
 from .logs import event
 from .policy import (
     Candidate,
@@ -165,7 +166,15 @@ class Claimer:
         try:
             return self._claim_capped_once(family, batch, self.caps)
         except CapsIncomplete:
-            restored = self.rebuild_caps()
+            try:
+                restored = self.rebuild_caps()
+            except DatabaseError as exc:
+                # a database the rebuild must read is down: this family waits, the others (and
+                # this database's uncapped families) are claimed
+                raise CapsUnavailable(
+                    f"the cap semaphores must be rebuilt from every database, and one did not "
+                    f"answer ({exc}); capped rows wait until it does"
+                ) from exc
             event(
                 log,
                 logging.WARNING,

@@ -99,7 +99,8 @@ def _database(args: argparse.Namespace) -> tuple[list[str], str]:
         raise OutboxError(f"{args.command} needs --app, or --database-url / {DB_ENV}")
     if args.database:
         raise OutboxError(
-            f"{args.command}: --database names one of the app's databases: pass --app"
+            f"{args.command}: --database names one of the app's databases: pass --app "
+            "(for a URL, use --database-url)"
         )
     return [url], schema
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from .adapters import check_database_url, database_target
@@ -54,21 +55,31 @@ def database_urls(database_url: str | None, databases: Mapping[str, str] | None)
         if not isinstance(url, str) or not url:
             raise ConfigurationError(f"database {name!r} needs a postgresql:// URL or DSN")
         check_database_url(url)
-        target = url_target(url)
-        if target is not None and target in seen:
-            raise ConfigurationError(
-                f"databases {seen[target]!r} and {name!r} are the same database "
-                f"({mask_dsn(url)}): give each database one entry"
-            )
-        if target is not None:
+        for target in url_targets(url):
+            if target in seen:
+                raise ConfigurationError(
+                    f"databases {seen[target]!r} and {name!r} are the same database "
+                    f"({mask_dsn(url)}): give each database one entry"
+                )
             seen[target] = name
     return dict(databases)
 
 
-def url_target(url: str) -> Target | None:
+def url_targets(url: str) -> frozenset[Target]:
+    """Every (host, port, dbname) a URL may connect to: one, or one per host of a multi-host
+    URL (``host=a,b``, libpq's failover list); none when a service file decides."""
     from psycopg.conninfo import conninfo_to_dict
 
-    return database_target(conninfo_to_dict(url))
+    params = conninfo_to_dict(url)
+    hosts = str(params.get("host") or "").split(",")
+    ports = str(params.get("port") or "").split(",")
+    if len(ports) == 1:
+        ports *= len(hosts)
+    found = (
+        database_target({**params, "host": host, "port": port})
+        for host, port in zip(hosts, ports, strict=False)
+    )
+    return frozenset(t for t in found if t is not None)
 
 
 def connection_target(conn: Conn) -> Target | None:
@@ -89,9 +100,10 @@ class Database:
     delivery: Delivery
     maintenance: Maintenance
 
-    @property
-    def target(self) -> Target | None:
-        return url_target(self.url)
+    @cached_property
+    def targets(self) -> frozenset[Target]:
+        """Where its URL connects (read once: every enqueue with several databases asks)."""
+        return url_targets(self.url)
 
 
 def pick(databases: Mapping[str, Database], conn: Conn, name: str | None = None) -> Database:
@@ -130,7 +142,7 @@ def _by_connection(databases: Mapping[str, Database], conn: Conn) -> Database | 
     where = connection_target(conn)
     if where is None:
         return None
-    exact = [d for d in databases.values() if d.target == where]
+    exact = [d for d in databases.values() if where in d.targets]
     return exact[0] if len(exact) == 1 else None
 
 

@@ -15,7 +15,7 @@ from uuid import UUID
 from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable
 from .deferred_settles import DeferredSettles
-from .errors import PermanentFailure, RetryLater
+from .errors import DatabaseUnavailable, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
@@ -168,10 +168,20 @@ class Delivery:
         # row past its own hard limit keeps its lease until then, when the pool process is
         # killed, so no second copy of it can start while it still runs.
         until = None if hard is None else time.monotonic() + hard * len(pairs)
-        results = [
-            self.deliver(row_id, token, family_hint=family_hint, defer=defer, renew_until=until)
-            for row_id, token in pairs
-        ]
+        results: list[Result] = []
+        for row_id, token in pairs:
+            try:
+                results.append(
+                    self.deliver(
+                        row_id, token, family_hint=family_hint, defer=defer, renew_until=until
+                    )
+                )
+            except DatabaseUnavailable as exc:
+                # the database went down mid-message: the rows not started are claimed again
+                # after their lease, and the finished ones are still settled below
+                rest = pairs[len(results) :]
+                results += [Result(Outcome.STALE, i, str(exc)) for i, _ in rest]
+                break
         if defer:
             # settle the message's successes before the next message: a handler of the next
             # one that kills the process must not take finished rows with it (they would run

@@ -33,7 +33,7 @@ from .errors import (
 from .handlers import HandlerFn, Registration, Registry
 from .health import Breaker
 from .listener import CommitListener
-from .logs import about_database, event
+from .logs import about_database, event, mask_dsn
 from .maintenance import Maintenance
 from .migrations import migrate
 from .naming import family_name, identifier
@@ -231,8 +231,11 @@ class Dispatcher:
         try:
             return self.databases[name]
         except KeyError:
+            url = "://" in name or "=" in name  # `--database URL` for `--database-url URL`
             raise UnknownDatabase(
-                f"no database {name!r}: this dispatcher has {', '.join(map(repr, self.databases))}"
+                f"no database {mask_dsn(name)!r}: this dispatcher has "
+                f"{', '.join(map(repr, self.databases))}"
+                + ("; a URL goes to --database-url" if url else "")
             ) from None
 
     def chosen_databases(self, name: str | None) -> list[Database]:
@@ -446,7 +449,9 @@ class Dispatcher:
         raw = caller_connection(conn)
         return self._insert(self._database_of(conn, raw, database), raw, row)
 
-    def enqueue_call(self, conn: object, task: str, call: TaskCall, family: str) -> int:
+    def enqueue_call(
+        self, conn: object, task: str, call: TaskCall, family: str, database: str | None = None
+    ) -> int:
         """The row of a Celery task call (tasks.py) on the caller's connection; with
         ``conn=None``, in a transaction of its own, committed before this returns."""
         row = self._prepare(
@@ -455,7 +460,7 @@ class Dispatcher:
         due_now = call.delay is None and call.at is None
         if conn is not None:
             raw = caller_connection(conn)
-            db = self._database_of(conn, raw, None)
+            db = self._database_of(conn, raw, database)
             row_id = self._insert(db, raw, row)
             self._same_command(db.store, raw, row_id, task, call)
             if due_now and type(conn).__module__.startswith("django."):
@@ -571,7 +576,7 @@ class Dispatcher:
                 known = isinstance(exc, DatabaseUnavailable) and exc.repeated
                 with about_database(db.name):
                     level = logging.DEBUG if known else logging.WARNING
-                    event(log, level, "claim_failed", f"{exc}; the others go on")
+                    event(log, level, "claim_failed", f"{exc}")
                 continue
             report.merge(part)
         return report
@@ -794,7 +799,7 @@ class Dispatcher:
                     raise
                 failed.append(db.name)
                 with about_database(db.name):
-                    event(log, logging.ERROR, "maintenance_failed", f"{exc}; the others go on")
+                    event(log, logging.ERROR, "maintenance_failed", f"{exc}")
                 continue
             for family, n in part.items():
                 total[family] = total.get(family, 0) + n

@@ -30,10 +30,17 @@ def _mask_pool_logs() -> None:
 
 class Pools:
     def __init__(
-        self, database_url: str, schema: str, *, pool_size: int = 4, handler_pool_size: int = 32
+        self,
+        database_url: str,
+        schema: str,
+        *,
+        pool_size: int = 4,
+        handler_pool_size: int = 32,
+        main_options: dict[str, str] | None = None,
     ) -> None:
         self.database_url = database_url
         self.schema = schema
+        self.main_options = main_options or {}  # libpq settings of the main pool only
         self._sizes = {"outbox": (1, pool_size), "handlers": (0, handler_pool_size)}
         self._pools: dict[str, ConnectionPool] = {}
         self._pid = 0
@@ -56,11 +63,12 @@ class Pools:
             if role not in self._pools:
                 _mask_pool_logs()
                 low, high = self._sizes[role]
+                extra = self.main_options if role == "outbox" else {}
                 self._pools[role] = ConnectionPool(
                     self.database_url,
                     min_size=low,
                     max_size=high,
-                    kwargs={"autocommit": True},
+                    kwargs={"autocommit": True, **extra},
                     open=True,
                     name=f"{role}-{self.schema}",
                 )

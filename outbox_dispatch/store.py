@@ -21,7 +21,7 @@ from psycopg_pool import PoolTimeout
 
 from .cron import Schedule, due_ticks
 from .errors import DatabaseError, DatabaseUnavailable, IsolationNotSupported, SchemaNotReady
-from .health import Breaker
+from .health import PROBE_CONNECT_TIMEOUT, Breaker, liveness_options
 from .logs import mask_dsn
 from .policy import Candidate, Family, LostAttempt, claim_limit
 from .pool import Conn, Pools
@@ -61,12 +61,17 @@ class Store:
     ) -> None:
         self.database_url = database_url
         self.breaker = breaker
+        self.name = breaker.name if breaker is not None else "default"
         self.schema = schema
         self._clock_offset = 0.0
         self.q = queries_for(schema)
         self.channel = wake_channel(schema)
         self.pools = Pools(
-            database_url, schema, pool_size=pool_size, handler_pool_size=handler_pool_size
+            database_url,
+            schema,
+            pool_size=pool_size,
+            handler_pool_size=handler_pool_size,
+            main_options=liveness_options(database_url) if breaker is not None else None,
         )
 
     @property
@@ -89,38 +94,60 @@ class Store:
 
     @contextmanager
     def _starting(self) -> Iterator[Conn]:
-        """A connection for new work (a claim, a delivery start, a claim request). With a
-        breaker (several databases, health.py), it fails at once while this database is
-        down, and a failure to reach it starts the back-off."""
+        """A connection for anything but finishing work already running (a claim, a delivery
+        start, a claim request, status and maintenance reads). With a breaker (several
+        databases, health.py), it fails at once while this database is down, and a failure to
+        reach it opens the breaker; a pool that is merely busy is waited for, as always."""
         if self.breaker is None:
             with self.connection() as conn:
                 yield conn
             return
-        timeout = self.breaker.admit()
-        held: Conn | None = None
+        admission = self.breaker.admit()
+        pool = self.pools.main()
         try:
-            with self.pools.main().connection(timeout=timeout) as held:
-                yield held
+            conn = pool.getconn(timeout=admission.timeout)
         except PoolTimeout as exc:
-            self.breaker.failed("no connection from the pool in time")
-            raise DatabaseUnavailable(
-                f"database {self.breaker.name!r}: no connection from the pool in time; its rows "
-                "wait until it is back, the other databases go on"
-            ) from exc
+            why = "no connection from the pool in time"
+            if admission.probe or not self._answers():
+                self.breaker.failed(admission, why)
+                raise DatabaseUnavailable(
+                    f"database {self.breaker.name!r}: {why}; its rows wait until it is back, "
+                    "the other databases go on"
+                ) from exc
+            try:
+                conn = pool.getconn()  # it answers: the pool is busy, wait as always
+            except BaseException:
+                self.breaker.abandoned(admission)
+                raise
+        try:
+            with conn:
+                yield conn
         except psycopg.OperationalError as exc:
-            if held is None or held.broken or held.closed:
+            if conn.broken or conn.closed:
                 why = mask_dsn(str(exc).strip().splitlines()[0] if str(exc) else repr(exc))
-                self.breaker.failed(why)
+                self.breaker.failed(admission, why)
                 raise DatabaseUnavailable(
                     f"database {self.breaker.name!r} stopped answering ({why}); its rows wait "
                     "until it is back, the other databases go on"
                 ) from exc
-            self.breaker.succeeded()  # it answered: the error is the work's own
+            self.breaker.succeeded(admission)  # it answered: the error is the work's own
             raise
         except BaseException:
-            self.breaker.succeeded()  # a probe that ends any other way must not stay pending
+            self.breaker.abandoned(admission)
             raise
-        self.breaker.succeeded()
+        else:
+            self.breaker.succeeded(admission)
+        finally:
+            pool.putconn(conn)
+
+    def _answers(self) -> bool:
+        """Whether a connection of its own reaches the database now (the pool had none to
+        give in time: busy, or the database is down)."""
+        try:
+            psycopg.connect(self.database_url, connect_timeout=PROBE_CONNECT_TIMEOUT).close()
+        except psycopg.Error:
+            return False
+        return True
 
     def close(self) -> None:
         self.pools.close()
@@ -297,7 +324,7 @@ class Store:
         """Every live lease of the capped families, read under the exclusive caps lock, which
         is held while the block runs (no capped claim of this database is between taking slots
         and committing meanwhile)."""
-        with translated("caps rebuild"), self.connection() as conn, conn.transaction():
+        with translated("caps rebuild"), self._starting() as conn, conn.transaction():
             conn.execute(self.q["caps_lock_exclusive"], {"lock_name": f"{self.schema}.caps"})
             rows = conn.execute(self.q["caps_live_leases"], {"families": families}).fetchall()
             yield [Holder(r[0], r[1], r[2], r[3], int(r[4])) for r in rows]
@@ -307,7 +334,7 @@ class Store:
         caps lock, so a holder restored by a rebuild may have settled meanwhile)."""
         if not tokens:
             return set()
-        with translated("caps rebuild"), self.connection() as conn:
+        with translated("caps rebuild"), self._starting() as conn:
             held = conn.execute(self.q["caps_leases_held"], {"tokens": tokens}).fetchall()
         return {r[0] for r in held}
 
@@ -322,7 +349,7 @@ class Store:
         """Give actors whose head is gone their next row, under each actor's lock."""
         if not actors:
             return []
-        with translated("promote ordered"), self.connection() as conn, conn.transaction():
+        with translated("promote ordered"), self._starting() as conn, conn.transaction():
             for actor in sorted(set(actors)):
                 conn.execute(
                     self.q["ordered_lock_actor"],
@@ -374,7 +401,7 @@ class Store:
         return {int(r[0]) for r in rows}
 
     def why_stale(self, row_id: int, token: UUID) -> str:
-        with translated("stale check"), self.connection() as conn:
+        with translated("stale check"), self._starting() as conn:
             row = conn.execute(
                 self.q["deliver_explain_stale"], {"id": row_id, "token": token}
             ).fetchone()
@@ -488,7 +515,7 @@ class Store:
         self, families: list[str]
     ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str, int]]]:
         """Waiting and blocked counts per family, and in-flight counts per (family, actor)."""
-        with translated("status"), self.connection() as conn:
+        with translated("status"), self._starting() as conn:
             counts = conn.execute(
                 self.q["status_waiting_blocked"], {"families": families}
             ).fetchall()
@@ -569,7 +596,7 @@ class Store:
         return ticks
 
     def prune(self, family: str, retention: float, batch: int) -> int:
-        with translated("prune"), self.connection() as conn:
+        with translated("prune"), self._starting() as conn:
             rows = conn.execute(
                 self.q["maintenance_prune"],
                 {"family": family, "retention": retention, "batch": batch},
@@ -579,7 +606,7 @@ class Store:
     # -- operations -----------------------------------------------------------------------
 
     def status(self) -> list[FamilyStatus]:
-        with translated("status"), self.connection() as conn:
+        with translated("status"), self._starting() as conn:
             rows = conn.execute(self.q["status_families"]).fetchall()
         return [
             FamilyStatus(
@@ -599,7 +626,7 @@ class Store:
     def parked_list(self, *, family: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         with (
             translated("parked list"),
-            self.connection() as conn,
+            self._starting() as conn,
             conn.cursor(row_factory=dict_row) as cur,
         ):
             params = {"family": family, "limit": limit, "ids": None}
@@ -632,7 +659,7 @@ class Store:
         sel = {"ids": ids, "family": family, "limit": 1_000_000}
         query = self.q["parked_retry"] if retry else self.q["parked_purge"]
         action = "parked retry" if retry else "parked purge"
-        with translated(action), self.connection() as conn, conn.transaction():
+        with translated(action), self._starting() as conn, conn.transaction():
             found = conn.execute(self.q["parked_list"], sel).fetchall()
             lines = sorted({(r[1], r[3]) for r in found if r[1] in ordered and r[3] is not None})
             for fam, actor in lines:
@@ -677,14 +704,14 @@ class Store:
         params = {"id": row_id, "text": text, "families": families, "limit": limit}
         with (
             translated("find rows"),
-            self.connection() as conn,
+            self._starting() as conn,
             conn.cursor(row_factory=dict_row) as cur,
         ):
             return list(cur.execute(self.q["status_find_rows"], params).fetchall())
 
     def row_state(self, row_id: int) -> str | None:
         """``parked``, ``cancelled``, ``done`` or ``live``; None when there is no such row."""
-        with translated("row state"), self.connection() as conn:
+        with translated("row state"), self._starting() as conn:
             row = conn.execute(self.q["status_row_state"], {"id": row_id}).fetchone()
         if row is None:
             return None
@@ -698,7 +725,7 @@ class Store:
 
     def sweep_heads(self, family: str, parked_blocks: bool) -> list[int]:
         """Give every headless actor of an ordered family its next row (crash repair)."""
-        with translated("ordered sweep"), self.connection() as conn:
+        with translated("ordered sweep"), self._starting() as conn:
             rows = conn.execute(
                 self.q["ordered_headless_actors"],
                 {"family": family, "parked_blocks": parked_blocks},
@@ -708,31 +735,31 @@ class Store:
 
     def unblock(self, family: str, batch: int) -> int:
         """Blocked rows of a family that is not ordered (any more) become due."""
-        with translated("unblock"), self.connection() as conn:
+        with translated("unblock"), self._starting() as conn:
             rows = conn.execute(
                 self.q["ordered_unblock"], {"family": family, "batch": batch}
             ).fetchall()
         return len(rows)
 
     def prune_cancel_requests(self) -> int:
-        with translated("prune"), self.connection() as conn:
+        with translated("prune"), self._starting() as conn:
             return len(conn.execute(self.q["maintenance_prune_cancel_requests"]).fetchall())
 
     # -- run stats ------------------------------------------------------------------------
 
     def report_run_time(self, family: str, process: str, run_seconds: float) -> None:
         params = {"family": family, "process": process, "run_seconds": run_seconds}
-        with translated("run time report"), self.connection() as conn:
+        with translated("run time report"), self._starting() as conn:
             conn.execute(self.q["runstats_report"], params)
 
     def run_stats(self, max_age: float) -> dict[str, tuple[int, float]]:
         """family -> (processes that reported within ``max_age`` s, their mean run time)."""
-        with translated("run time read"), self.connection() as conn:
+        with translated("run time read"), self._starting() as conn:
             rows = conn.execute(self.q["runstats_read"], {"max_age": max_age}).fetchall()
         return {str(r[0]): (int(r[1]), float(r[2])) for r in rows}
 
     def prune_run_stats(self, max_age: float) -> int:
-        with translated("prune"), self.connection() as conn:
+        with translated("prune"), self._starting() as conn:
             return conn.execute(self.q["runstats_prune"], {"max_age": max_age}).rowcount
 
 

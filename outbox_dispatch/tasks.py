@@ -30,7 +30,7 @@ from .errors import (
 )
 from .logs import event
 from .task_options import TaskCall, decode_call, plan_call, retry_delay
-from .transactions import bound, django_transaction
+from .transactions import bound, bound_database, django_transaction
 
 if TYPE_CHECKING:
     from .dispatcher import Dispatcher
@@ -114,7 +114,7 @@ class OutboxTask(Task):  # type: ignore[misc]
             tz=self.app.timezone,
         )
         family = task_family(dispatcher, self, call, args, kwargs)
-        row_id = dispatcher.enqueue_call(conn, self.name, call, family)
+        row_id = dispatcher.enqueue_call(conn, self.name, call, family, bound_database())
         return EnqueuedTask(call.task_id or f"outbox:{row_id}", row_id, self.name)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:

@@ -15,16 +15,19 @@ from typing import Any
 from .adapters import caller_connection, database_target, django_target
 from .errors import OutsideTransaction
 
-_bound: ContextVar[object | None] = ContextVar("outbox_dispatch_using", default=None)
+_bound: ContextVar[tuple[object, str | None] | None] = ContextVar(
+    "outbox_dispatch_using", default=None
+)
 
 
 @contextmanager
-def using(conn: object) -> Iterator[None]:
+def using(conn: object, *, database: str | None = None) -> Iterator[None]:
     """Task calls (``.delay()``, ``.apply_async()``) inside this block write their rows on
     ``conn``, so they commit or roll back with the caller's transaction: a psycopg 3
-    connection, a SQLAlchemy Session or Connection, or a Django connection."""
+    connection, a SQLAlchemy Session or Connection, or a Django connection. ``database``
+    names which of the dispatcher's databases ``conn`` is, when a proxy hides it."""
     caller_connection(conn)  # refuse what cannot carry a row now, not at the first call
-    token = _bound.set(conn)
+    token = _bound.set((conn, database))
     try:
         yield
     finally:
@@ -32,7 +35,14 @@ def using(conn: object) -> Iterator[None]:
 
 
 def bound() -> object | None:
-    return _bound.get()
+    found = _bound.get()
+    return None if found is None else found[0]
+
+
+def bound_database() -> str | None:
+    """The database named by the innermost ``using(..., database=)``, if any."""
+    found = _bound.get()
+    return None if found is None else found[1]
 
 
 def django_transaction(database_urls: Sequence[str]) -> Any | None:

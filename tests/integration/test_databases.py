@@ -9,6 +9,8 @@ actor), and a database that is cut (the fault proxy) stops only its own rows.
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -310,3 +312,57 @@ def test_the_outbox_page_covers_every_database_and_acts_on_the_row_of_the_one_na
     assert count_rows(shard_urls["main"], schema) == 1  # its row of the same command stays
     _, _, refused = call(web, "GET", "/parked", query="db=moon")
     assert "no database &#x27;moon&#x27; here" in refused or "no database 'moon' here" in refused
+
+
+def test_a_caps_rebuild_that_needs_a_down_database_holds_back_only_capped_rows(
+    make_dispatcher: Callable[..., Dispatcher],
+    shard_urls: dict[str, str],
+    database_url: str,
+    redis_url: str,
+    schema: str,
+) -> None:
+    """Redis lost the semaphores while a database is down: the rebuild cannot be complete, so
+    capped rows wait; the plain rows of the databases that answer are claimed, and the pass
+    does not wait out the pool's timeout."""
+    gone = url_of(database_url, f"od_mdb_gone_{uuid.uuid4().hex[:6]}")
+    d = make_dispatcher({"main": shard_urls["main"], "gone": gone})
+    d.family("capped", per_actor=1)
+    _seen(d, family="capped")
+    d.declare("mdb.plain")
+    _enqueue(d, shard_urls["main"], "mdb.record", actor="A")
+    _enqueue(d, shard_urls["main"], "mdb.plain")
+    assert d.caps is not None
+    client = redis.Redis.from_url(redis_url)
+    client.delete(d.caps.sentinel)
+    client.close()
+    t0 = time.monotonic()
+    report = d.claim_and_publish()
+    elapsed = time.monotonic() - t0
+    assert report.claimed == {"intent": 1}
+    assert elapsed < 10, f"the down database held the pass for {elapsed:.1f} s"
+    assert count_rows(shard_urls["main"], schema, "claim_token IS NULL") == 1  # the capped one
+
+
+def test_a_busy_pool_is_not_a_down_database(
+    make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str]
+) -> None:
+    """Every connection of the pool in use for longer than new work's 3 s: the next call
+    waits for one, as it always did, and the database is not taken for down."""
+    d = make_dispatcher(pool_size=1)
+    store = d.database("eu").store
+    store.status()  # the pool has its connection
+    held = threading.Event()
+
+    def hold() -> None:
+        with store.connection():
+            held.set()
+            time.sleep(4)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    t0 = time.monotonic()
+    store.status()
+    assert time.monotonic() - t0 > 3
+    thread.join()
+    assert store.breaker is not None and not store.breaker.down
