@@ -576,7 +576,7 @@ class Dispatcher:
                 known = isinstance(exc, DatabaseUnavailable) and exc.repeated
                 with about_database(db.name):
                     level = logging.DEBUG if known else logging.WARNING
-                    event(log, level, "claim_failed", f"{exc}")
+                    event(log, level, "claim_failed", str(exc))
                 continue
             report.merge(part)
         return report
