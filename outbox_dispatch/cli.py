@@ -64,10 +64,6 @@ def _dispatcher(args: argparse.Namespace, *, check: bool = True) -> Any:
     return dispatcher
 
 
-def _several(dispatcher: Any) -> bool:
-    return len(dispatcher.databases) > 1
-
-
 def _positive(text: str) -> int:
     """An argparse type: a whole number of at least 1."""
     try:
@@ -149,12 +145,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             _reachable(db.name, db.url)
             statuses += dispatcher.status(db.name)
         except OutboxError as exc:
-            if not _several(dispatcher):
+            if not dispatcher.several:
                 raise
             down.append(str(exc))
     queued = dispatcher.queue_lengths()
     found = [{**dataclasses.asdict(s), "queued": queued.get(s.family)} for s in statuses]
-    columns = ["database"] if _several(dispatcher) else []
+    columns = ["database"] if dispatcher.several else []
     columns += ["family", "due", "scheduled", "in_flight", "queued", "parked", "cancelled", "done"]
     columns += ["maybe_applied", "waiting", "blocked", "actors_at_cap"]
     shown = [
@@ -175,7 +171,7 @@ def cmd_parked(args: argparse.Namespace) -> int:
     dispatcher = _dispatcher(args)
     if args.parked_cmd == "list":
         rows = dispatcher.parked_list(family=args.family, limit=args.limit, database=args.database)
-        columns = ["database"] if _several(dispatcher) else []
+        columns = ["database"] if dispatcher.several else []
         columns += ["id", "family", "command", "actor", "attempts", "maybe_applied", "parked_at"]
         text = table(rows, [*columns, "last_error"]) if rows else "no parked rows"
         unknown = args.family is not None and args.family not in dispatcher.families

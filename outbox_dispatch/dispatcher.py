@@ -137,6 +137,7 @@ class Dispatcher:
                 self.schema,
                 pool_size=pool_size,
                 handler_pool_size=handler_pool_size,
+                name=name,
                 breaker=Breaker(name) if several else None,
             )
             for name, url in urls.items()
@@ -217,7 +218,7 @@ class Dispatcher:
             self.schema,
             db.store.channel,
             partial(self.claim_and_publish, database=db.name),
-            database=db.name if len(self.databases) > 1 else None,
+            database=self._shown(db),
         )
 
     def commit_listeners(self) -> list[CommitListener]:
@@ -237,6 +238,15 @@ class Dispatcher:
                 f"{', '.join(map(repr, self.databases))}"
                 + ("; a URL goes to --database-url" if url else "")
             ) from None
+
+    @property
+    def several(self) -> bool:
+        """Whether this dispatcher serves more than one database."""
+        return len(self.databases) > 1
+
+    def _shown(self, db: Database) -> str | None:
+        """The database name log lines carry: none with one database, as before."""
+        return db.name if self.several else None
 
     def chosen_databases(self, name: str | None) -> list[Database]:
         """The one database named, or every database."""
@@ -485,7 +495,7 @@ class Dispatcher:
         """The database a caller's connection writes to; a Django connection whose alias is
         one of our database names is that database."""
         alias = getattr(conn, "alias", None) if name is None else None
-        if isinstance(alias, str) and alias in self.databases and len(self.databases) > 1:
+        if isinstance(alias, str) and alias in self.databases and self.several:
             name = alias
         return pick(self.databases, raw, name)
 
@@ -584,7 +594,7 @@ class Dispatcher:
     def _claim_pass(
         self, db: Database, families: list[str] | None, budget: float | None = None
     ) -> ClaimReport:
-        with about_database(db.name if len(self.databases) > 1 else None):
+        with about_database(self._shown(db)):
             publish = partial(self._publish_to, db.name)
             budget = self.claim_interval if budget is None else budget
             report = db.claimer.run(publish, budget=budget, only=families)
@@ -607,7 +617,7 @@ class Dispatcher:
             event(log, logging.WARNING, "stale_dropped", f"message names no database {shown}")
             metrics.outcome(hint, Outcome.STALE.value, "unknown")
             return [Result(Outcome.STALE, None, f"unknown database {shown}")]
-        with about_database(db.name if len(self.databases) > 1 else None):
+        with about_database(self._shown(db)):
             try:
                 return db.delivery.deliver_message(rest, family_hint=hint, defer=True)
             except DatabaseUnavailable as exc:
@@ -713,7 +723,7 @@ class Dispatcher:
 
     def _row_databases(self, ids: list[int] | None, database: str | None) -> list[Database]:
         """Row ids mean a row in one database: with several, they need its name."""
-        if ids and database is None and len(self.databases) > 1:
+        if ids and database is None and self.several:
             raise InvalidArgument(
                 "row ids are per database and this dispatcher has "
                 f"{', '.join(map(repr, self.databases))}: name the database of the ids"
@@ -790,7 +800,7 @@ class Dispatcher:
         failed: list[str] = []
         for db in self.chosen_databases(database):
             try:
-                with about_database(db.name if len(self.databases) > 1 else None):
+                with about_database(self._shown(db)):
                     part = db.maintenance.prune(
                         batch=batch or self.prune_batch, max_batches=max_batches, progress=progress
                     )

@@ -57,11 +57,12 @@ class Store:
         *,
         pool_size: int = 4,
         handler_pool_size: int = 32,
+        name: str = "default",
         breaker: Breaker | None = None,
     ) -> None:
         self.database_url = database_url
+        self.name = name  # the dispatcher's name for this database
         self.breaker = breaker
-        self.name = breaker.name if breaker is not None else "default"
         self.schema = schema
         self._clock_offset = 0.0
         self.q = queries_for(schema)

@@ -188,7 +188,7 @@ class WebApp:
 
     @property
     def several(self) -> bool:
-        return len(self.dispatcher.databases) > 1
+        return self.dispatcher.several
 
     def _database(self, params: dict[str, list[str]]) -> str | None:
         """The database a request names (``db``), checked; None: every database (or, for row
