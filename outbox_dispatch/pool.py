@@ -28,6 +28,14 @@ def _mask_pool_logs() -> None:
         pool_log.addFilter(_POOL_FILTER)
 
 
+def _read_committed(conn: Conn) -> None:
+    """The main pool's transactions are READ COMMITTED whatever the server's, role's or
+    pooler's default: a claim counts what is in flight after it holds the family lock, so its
+    statements need snapshots taken after the lock, not at the transaction's first statement
+    (under REPEATABLE READ it would lease past max_in_flight, or fail to serialize)."""
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+
+
 class Pools:
     def __init__(
         self,
@@ -69,6 +77,7 @@ class Pools:
                     min_size=low,
                     max_size=high,
                     kwargs={"autocommit": True, **extra},
+                    configure=_read_committed if role == "outbox" else None,
                     open=True,
                     name=f"{role}-{self.schema}",
                 )

@@ -243,30 +243,45 @@ class Store:
     def claim(self, family: Family, batch: int) -> ClaimResult:
         """Lease up to ``batch`` due rows of a family, within its free in-flight capacity.
 
-        Three round trips, pipelined: begin, lock and count; pick; lease and commit."""
+        One round trip: begin, the family lock, count-pick-lease and commit, pipelined."""
         with (
             translated(f"claim of family {family.name}"),
             self._starting() as conn,
             conn.pipeline(),
         ):
             with conn.transaction():
-                limit = self._claim_limit(conn, family, batch)
-                if limit == 0:
-                    return ClaimResult(family.name, [], [], 0)
-                picked = conn.execute(
-                    self.q["claim_pick_due"], {"family": family.name, "limit": limit}
-                ).fetchall()
-                if not picked:
-                    return ClaimResult(family.name, [], [], limit)
-                leased = self._lease(conn, family, [int(r[0]) for r in picked], [])
-            rows = leased.fetchall()  # after the commit was queued: one round trip for both
-        return _claim_result(family.name, rows, limit)
+                self._lock_family(conn, family)
+                leased = self._lease(conn, family, None, [], batch)
+            rows = leased.fetchall()  # after the commit was queued: one round trip for all
+        limit = int(rows[0][0]) if rows and rows[0][0] is not None else 0
+        return _claim_result(family.name, [r[1:] for r in rows if r[1] is not None], limit)
 
-    def _lease(self, conn: Conn, family: Family, ids: list[int], tokens: list[UUID]) -> Any:
-        """The lease statement for rows the claim holds locked; its cursor (in pipeline mode
-        the rows can be fetched after the commit was queued)."""
-        params = {**_lease_params(family), "ids": ids, "tokens": tokens}
+    def _lease(
+        self,
+        conn: Conn,
+        family: Family,
+        ids: list[int] | None,
+        tokens: list[UUID],
+        batch: int = 0,
+    ) -> Any:
+        """The lease statement: for rows the claim holds locked (``ids``), or for the due rows
+        it picks itself (``ids`` None, up to ``batch`` within the in-flight limit); its cursor
+        (in pipeline mode the rows can be fetched after the commit was queued)."""
+        params = {
+            **_lease_params(family),
+            "family": family.name,
+            "ids": ids,
+            "tokens": tokens,
+            "batch": batch,
+            "max_in_flight": family.max_in_flight,
+        }
         return conn.execute(self.q["claim_lease"], params)
+
+    def _lock_family(self, conn: Conn, family: Family) -> None:
+        """The family's claim lock, held to commit: in-flight counts cannot race."""
+        conn.execute(
+            self.q["claim_lock_family"], {"lock_name": f"{self.schema}.claim.{family.name}"}
+        )
 
     def claim_capped(
         self,
@@ -300,19 +315,18 @@ class Store:
             candidates = [Candidate(int(r[0]), r[1], r[2], int(r[3])) for r in found]
             take, wait = decide(candidates, limit)
             ids, tokens = [i for i, _ in take], [t for _, t in take]
-            rows = self._lease(conn, family, ids, tokens).fetchall() if ids else []
+            leased = self._lease(conn, family, ids, tokens).fetchall() if ids else []
+            rows = [r[1:] for r in leased if r[1] is not None]
             if wait:
                 conn.execute(self.q["claim_mark_waiting"], {"ids": wait, "lease": family.lease})
         result = _claim_result(family.name, rows, limit)
         return replace(result, waiting=len(wait))
 
     def _claim_limit(self, conn: Conn, family: Family, batch: int) -> int:
-        """Take the family's claim lock (held to commit: in-flight counts cannot race) and
-        return how many rows this claim may lease."""
+        """Take the family's claim lock and return how many rows this claim may lease."""
         # one round trip: the server runs the two in order, so the count is taken under the lock
         with conn.pipeline():
-            lock = f"{self.schema}.claim.{family.name}"
-            conn.execute(self.q["claim_lock_family"], {"lock_name": lock})
+            self._lock_family(conn, family)
             cur = conn.execute(
                 self.q["claim_in_flight"],
                 {"family": family.name, "max_in_flight": family.max_in_flight},

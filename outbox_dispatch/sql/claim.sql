@@ -27,56 +27,78 @@ SELECT count(*) FROM (
     LIMIT %(max_in_flight)s
 ) AS live;
 
--- name: claim_pick_due
--- A claim's first statement: due rows of a family from the outbox_due index range, oldest
--- first, skipping rows another claimer holds; locked until the claim commits.
-SELECT id FROM __SCHEMA__.outbox
-WHERE family = %(family)s AND due_at <= now()
-  AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
-ORDER BY due_at
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED;
-
 -- name: claim_lease
--- A claim's second statement: lease the rows it holds locked (picked due rows, or the capped
--- claim's take) under the given tokens (the cap slots' tokens; none given: a fresh one each).
+-- A claim's lease, run under the family lock: the rows it holds locked (the capped claim's
+-- take, under its cap slots' tokens), or, given no ids, the family's due rows it picks here,
+-- oldest first from the outbox_due index range, skipping rows another claimer holds, as many
+-- as the batch and the in-flight limit leave room for (counted as claim_in_flight does, along
+-- the outbox_claimed index). Count, pick and lease are one statement so that a claim is one
+-- round trip with the lock (pipelined): the statement's snapshot is taken after the lock is
+-- granted, so the count sees every claim committed before.
 -- A previous claim that never started (its message was lost or came too late) does not count
 -- as an attempt; one that started and never settled was lost mid-run, so the next attempt is
 -- marked maybe_applied, and a lost last attempt parks the row instead of running it again
 -- (returned with no token). Each row is judged from its own columns and found by primary key:
 -- no join, so no plan can turn the claim into a scan per row (a table without statistics
--- once got a nested loop of sequential scans: 5 s for 2,000 rows).
-UPDATE __SCHEMA__.outbox o SET
-    (attempts, maybe_applied, lost_attempts, last_error, claim_token, claimed_at, due_since,
-     started_at, waiting, parked_at, due_at) = (
-    SELECT
-        CASE WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
-             ELSE o.attempts + 1 END,
-        o.maybe_applied OR j.lost,
-        o.lost_attempts + j.lost::int,
-        CASE WHEN j.lost THEN 'attempt ' || o.attempts
-                 || ' ended without an outcome (worker died or lease ran out)'
-             ELSE o.last_error END,
-        CASE WHEN j.exhausted THEN NULL
-             WHEN cardinality(%(tokens)s::uuid[]) = 0 THEN gen_random_uuid()
-             ELSE (%(tokens)s::uuid[])[array_position(%(ids)s::bigint[], o.id)] END,
-        CASE WHEN j.exhausted THEN NULL ELSE now() END,
-        CASE WHEN j.exhausted THEN o.due_since ELSE o.due_at END,
-        NULL::timestamptz,
-        false,
-        CASE WHEN j.exhausted THEN now() END,
-        CASE WHEN j.exhausted THEN o.due_at
-             ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
-    FROM (SELECT o.started_at IS NOT NULL AS lost,
-                 o.started_at IS NOT NULL AND (
-                     %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
-                     OR (%(max_attempts)s::int IS NOT NULL
-                         AND o.attempts >= %(max_attempts)s::int)
-                 ) AS exhausted) j
+-- once got a nested loop of sequential scans: 5 s for 2,000 rows). The first column is the
+-- room the pick had (NULL when ids were given); a last row with no id carries it even when
+-- nothing was leased.
+WITH room AS MATERIALIZED (
+    SELECT greatest(0, least(%(batch)s::int, %(max_in_flight)s::int - (
+        SELECT count(*) FROM (
+            SELECT 1 FROM __SCHEMA__.outbox
+            WHERE family = %(family)s AND claim_token IS NOT NULL AND due_at > now()
+            ORDER BY due_at
+            LIMIT %(max_in_flight)s::int
+        ) AS live
+    )))::int AS n
+    WHERE %(ids)s::bigint[] IS NULL
+), chosen AS MATERIALIZED (
+    SELECT coalesce(%(ids)s::bigint[], ARRAY(
+        SELECT id FROM __SCHEMA__.outbox
+        WHERE family = %(family)s AND due_at <= now()
+          AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+        ORDER BY due_at
+        LIMIT (SELECT n FROM room)
+        FOR UPDATE SKIP LOCKED
+    )) AS ids
+), leased AS (
+    UPDATE __SCHEMA__.outbox o SET
+        (attempts, maybe_applied, lost_attempts, last_error, claim_token, claimed_at, due_since,
+         started_at, waiting, parked_at, due_at) = (
+        SELECT
+            CASE WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
+                 ELSE o.attempts + 1 END,
+            o.maybe_applied OR j.lost,
+            o.lost_attempts + j.lost::int,
+            CASE WHEN j.lost THEN 'attempt ' || o.attempts
+                     || ' ended without an outcome (worker died or lease ran out)'
+                 ELSE o.last_error END,
+            CASE WHEN j.exhausted THEN NULL
+                 WHEN cardinality(%(tokens)s::uuid[]) = 0 THEN gen_random_uuid()
+                 ELSE (%(tokens)s::uuid[])[array_position(%(ids)s::bigint[], o.id)] END,
+            CASE WHEN j.exhausted THEN NULL ELSE now() END,
+            CASE WHEN j.exhausted THEN o.due_since ELSE o.due_at END,
+            NULL::timestamptz,
+            false,
+            CASE WHEN j.exhausted THEN now() END,
+            CASE WHEN j.exhausted THEN o.due_at
+                 ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
+        FROM (SELECT o.started_at IS NOT NULL AS lost,
+                     o.started_at IS NOT NULL AND (
+                         %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
+                         OR (%(max_attempts)s::int IS NOT NULL
+                             AND o.attempts >= %(max_attempts)s::int)
+                     ) AS exhausted) j
+    )
+    WHERE o.id = ANY((SELECT ids FROM chosen)::bigint[])
+    RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, o.claim_token IS NULL,
+        o.last_error
 )
-WHERE o.id = ANY(%(ids)s::bigint[])
-RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, o.claim_token IS NULL,
-    o.last_error;
+SELECT (SELECT n FROM room), leased.* FROM leased
+UNION ALL
+SELECT (SELECT n FROM room), NULL::bigint, NULL::uuid, NULL::text, NULL::text, NULL::int,
+       NULL::boolean, NULL::text;
 
 -- name: claim_capped_candidates
 -- Due rows of a capped family from the outbox_due index range, locked as they are read (SKIP

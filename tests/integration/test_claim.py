@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -185,20 +186,19 @@ def big_schema(database_url: str, run_id: str) -> Iterator[str]:
 LEASE = {"lease": 30.0, "max_attempts": None, "park_lost": False, "max_lost": 5}
 
 
-def _claim_plans(store: Store, conn: psycopg.Connection[Any], limit: int) -> tuple[str, str]:
-    """EXPLAIN ANALYZE of both claim statements, in the caller's transaction (roll it back)."""
-    picked = conn.execute(
-        store.q["claim_pick_due"], {"family": "intent", "limit": limit}
-    ).fetchall()
-    pick = conn.execute(
-        "EXPLAIN (ANALYZE, BUFFERS) " + store.q["claim_pick_due"],
-        {"family": "intent", "limit": limit},
-    ).fetchall()
-    lease = conn.execute(
-        "EXPLAIN (ANALYZE, BUFFERS) " + store.q["claim_lease"],
-        {**LEASE, "ids": [int(r[0]) for r in picked], "tokens": []},
-    ).fetchall()
-    return "\n".join(str(r[0]) for r in pick), "\n".join(str(r[0]) for r in lease)
+def _claim_plan(store: Store, conn: psycopg.Connection[Any], limit: int) -> str:
+    """EXPLAIN ANALYZE of the claim's lease (count, pick and lease in one statement), in the
+    caller's transaction (roll it back)."""
+    params = {
+        **LEASE,
+        "family": "intent",
+        "ids": None,
+        "tokens": [],
+        "batch": limit,
+        "max_in_flight": 10_000,
+    }
+    plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + store.q["claim_lease"], params)
+    return "\n".join(str(r[0]) for r in plan.fetchall())
 
 
 def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema: str) -> None:
@@ -212,7 +212,7 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
                 {"family": "intent", "probe": 2000},
             ).fetchall()
             capped_plan = "\n".join(str(r[0]) for r in rows)
-            pick_plan, lease_plan = _claim_plans(store, conn, 500)
+            plan = _claim_plan(store, conn, 500)
             rows = conn.execute(
                 "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["claim_in_flight"],
                 {"family": "intent", "max_in_flight": 1000},
@@ -221,12 +221,12 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
             raise psycopg.Rollback()  # EXPLAIN ANALYZE ran the claim: undo it
     finally:
         store.close()
-    assert "Seq Scan" not in pick_plan, pick_plan
+    assert "Seq Scan" not in plan, plan
     # the claim touched the 20 due rows, not the 400k others
-    scan_line = next(x for x in pick_plan.splitlines() if "Index Scan using outbox_due" in x)
-    assert "rows=20 " in scan_line, pick_plan
-    assert "Seq Scan" not in lease_plan, lease_plan
-    assert "outbox_pkey" in lease_plan, lease_plan
+    scan_line = next(x for x in plan.splitlines() if "Index Scan using outbox_due" in x)
+    assert "rows=20 " in scan_line, plan
+    assert "outbox_pkey" in plan, plan
+    assert "outbox_claimed" in plan, plan  # its in-flight count
     assert "Seq Scan" not in in_flight_plan, in_flight_plan
     assert "outbox_claimed" in in_flight_plan, in_flight_plan
     # the capped claim ranks actors only among the due rows, from the same index range
@@ -263,15 +263,78 @@ def test_claim_plan_scans_nothing_per_row_at_any_size(
             if analyzed:
                 conn.execute(f'ANALYZE "{name}".outbox')
             with conn.transaction():
-                pick_plan, lease_plan = _claim_plans(store, conn, 500 if analyzed else 2000)
+                plan = _claim_plan(store, conn, 500 if analyzed else 2000)
                 raise psycopg.Rollback()
     finally:
         store.close()
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA "{name}" CASCADE')
-    assert "Seq Scan" not in pick_plan, pick_plan
-    assert "Nested Loop" not in lease_plan, lease_plan
-    for line in lease_plan.splitlines():  # no scan runs once per row
-        assert "Scan" not in line or "loops=1)" in line, lease_plan
+    assert "Nested Loop" not in plan, plan
+    for line in plan.splitlines():  # no scan runs once per row
+        assert "Scan" not in line or "loops=1)" in line, plan
     if analyzed:
-        assert "Seq Scan" not in lease_plan, lease_plan
+        assert "Seq Scan" not in plan, plan
+
+
+def test_a_claim_counts_in_flight_after_its_lock_under_a_repeatable_read_default(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """A server (or role, or pooler) whose default isolation is REPEATABLE READ would give a
+    claim the snapshot of its first statement, taken before the family lock is granted: it
+    would miss the claim it waited for and lease past max_in_flight. Our connections run
+    READ COMMITTED whatever the default."""
+    name = "rr_" + commands().replace(".", "_")
+    family = replace(dispatcher.families["intent"], name=name).with_policy(max_in_flight=5)
+    _bulk_insert(
+        database_url,
+        dispatcher.schema,
+        f"SELECT '{name}', 'x', NULL, '{{}}'::jsonb, now(), NULL FROM generate_series(1, 10)",
+    )
+    url = psycopg.conninfo.make_conninfo(
+        database_url, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    store = Store(url, dispatcher.schema, pool_size=1)
+    outbox = f'"{dispatcher.schema}".outbox'
+    results: list[Any] = []
+    try:
+        with store.connection() as warm:  # the pool's connection exists before the race
+            row = warm.execute("SHOW default_transaction_isolation").fetchone()
+            assert row is not None and row[0] == "repeatable read"
+        with psycopg.connect(database_url) as other:  # holds the family lock, fills in-flight
+            other.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(%s))",
+                (f"{dispatcher.schema}.claim.{name}",),
+            )
+            claimer = threading.Thread(target=lambda: results.append(store.claim(family, 100)))
+            claimer.start()
+            _wait_for_lock_wait(database_url)
+            other.execute(
+                f"UPDATE {outbox} SET claim_token = gen_random_uuid(), claimed_at = now(), "
+                f"due_at = now() + interval '60 seconds' WHERE id IN "
+                f"(SELECT id FROM {outbox} WHERE family = %s ORDER BY id LIMIT 5)",
+                (name,),
+            )
+            other.commit()
+            claimer.join(10)
+    finally:
+        store.close()
+    assert results, "the claim raised (see the thread's exception)"
+    assert results[0].claimed == [] and results[0].limit == 0
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FROM {outbox} WHERE family = %s AND claim_token IS NOT NULL", (name,)
+        ).fetchone()
+    assert row is not None and row[0] == 5
+
+
+def _wait_for_lock_wait(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for _ in range(200):
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                " AND datname = current_database()"
+            ).fetchone()
+            if row and row[0]:
+                return
+            threading.Event().wait(0.025)
+    raise AssertionError("the claim never waited for the family lock")
