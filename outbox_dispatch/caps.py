@@ -231,6 +231,20 @@ class Caps:
         pairs = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
         return {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
 
+    def freed_families(self, families: Sequence[str], database: str | None = None) -> set[str]:
+        """The families among ``families`` with freed slots noted for this database's claimer
+        (one round trip): a capped family with no due row needs a claim only then."""
+        if not families:
+            return set()
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for family in families:
+                    pipe.exists(self.freed_key(family, database))
+                found = pipe.execute()
+        except redis.RedisError as exc:
+            raise CapsUnavailable(f"cap freed-slot check failed: {_why(exc)}") from exc
+        return {f for f, n in zip(families, found, strict=True) if n}
+
     def give_back_freed(
         self, family: str, freed: dict[str, int], database: str | None = None
     ) -> None:

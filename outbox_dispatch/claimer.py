@@ -267,12 +267,8 @@ class Claimer:
         report = ClaimReport()
         deadline = time.monotonic() + budget
         pending = [f for f in self.families.values() if only is None or f.name in only]
-        # Capped families are always claimed (a freed slot makes a waiting row due in the
-        # claim itself); the others only when a row of theirs is due.
-        plain = [f.name for f in pending if not self.is_capped(f)]
-        if len(plain) > 1:
-            due = self.store.families_due(plain)
-            pending = [f for f in pending if self.is_capped(f) or f.name in due]
+        if len(pending) > 1:  # a pass over several families claims only those with work
+            pending = self._with_work(pending)
         # each pass starts with the next family, so no family always claims (and publishes)
         # first while the pass's time budget lasts
         self._passes += 1
@@ -337,6 +333,22 @@ class Claimer:
                 report.saturated.update(f.name for f in pending)  # still work: top up later
                 break
         return report
+
+
+    def _with_work(self, families: list[Family]) -> list[Family]:
+        """The families a pass must claim: those with a due row (one statement for all), and
+        capped ones whose actors freed slots since their last claim (one Redis round trip),
+        since a freed slot makes a waiting row due in the claim itself. An idle pass over
+        many families then costs two round trips, not a claim transaction each (two idle
+        capped families took a pool process 1.3 ms a second, every second)."""
+        due = self.store.families_due([f.name for f in families])
+        capped = [f.name for f in families if self.is_capped(f) and f.name not in due]
+        if capped and self.caps is not None:
+            try:
+                due |= self.caps.freed_families(capped, self.caps_database)
+            except CapsUnavailable:
+                due |= set(capped)  # cannot tell: claim them, as the claim itself copes
+        return [f for f in families if f.name in due]
 
 
 def _add(counts: dict[str, int], key: str, n: int) -> None:

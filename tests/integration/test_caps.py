@@ -336,3 +336,38 @@ def test_redis_restarted_from_an_old_snapshot_is_rebuilt(
         conn.execute(f'UPDATE "{capped.schema}".outbox SET due_at = now() WHERE waiting')
     assert capped.claimer.claim_family(fam).claimed == []  # rebuilt first: still at cap
     assert len(capped.caps.holders("capped", "G")) == 2
+
+
+def test_a_pass_claims_an_idle_capped_family_only_when_a_slot_of_it_freed(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    """A claim pass over several families claims a capped family with no due row only when
+    its actors freed slots (the freed slot makes a waiting row due in that claim); otherwise
+    it costs the pass nothing."""
+    cmd = record("capped")
+    actor = f"idle-{uuid.uuid4().hex[:6]}"
+    _enqueue(capped, database_url, [Message(cmd, {"i": i}, actor=actor) for i in range(3)])
+    published: list[Any] = []
+    claims: list[str] = []
+    store = capped.store
+    real = store.claim_capped
+
+    def counted(family: Any, *args: Any, **kwargs: Any) -> Any:
+        claims.append(family.name)
+        return real(family, *args, **kwargs)
+
+    store.claim_capped = counted  # type: ignore[method-assign]
+    try:
+        first = capped.claimer.run(lambda f, rows, size: published.extend(rows))
+        assert first.claimed.get("capped") == 2 and first.waiting.get("capped") == 1
+        claims.clear()
+        idle = capped.claimer.run(lambda f, rows, size: published.extend(rows))
+        assert idle.total == 0 and claims == []  # waiting row, no freed slot: not claimed
+        row = next(c for c in published if c.actor == actor)
+        assert capped.delivery.deliver(row.id, row.token).outcome is Outcome.DELIVERED
+        freed = capped.claimer.run(lambda f, rows, size: published.extend(rows))
+    finally:
+        del store.claim_capped
+    assert claims == ["capped"]
+    assert freed.claimed == {"capped": 1}  # the waiting row, let in by the freed slot
+    assert [c.actor for c in published[-1:]] == [actor]
