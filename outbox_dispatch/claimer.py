@@ -334,7 +334,6 @@ class Claimer:
                 break
         return report
 
-
     def _with_work(self, families: list[Family]) -> list[Family]:
         """The families a pass must claim: those with a due row (one statement for all), and
         capped ones whose actors freed slots since their last claim (one Redis round trip),

@@ -5,7 +5,9 @@ beat entry stays as the safety net).
 One listener per schema across all workers: the first takes a session advisory lock, the
 others wait to take over if it dies. The listener claims serially: notifications that arrive
 while a claim pass runs (or within ``coalesce`` seconds of the first) are served by one pass,
-so a burst of commits is not a burst of claims, and a lone commit waits for nothing.
+so a burst of commits is not a burst of claims, and a lone commit waits for nothing. When it
+starts listening it claims every family once: commits made while nobody listened (workers
+starting, a standby taking over) sent notifications that no one received.
 
 A family whose claim stopped at its in-flight limit (or a full queue) is claimed again every
 ``refill`` seconds until a claim finds fewer due rows than it could take: under a backlog the
@@ -36,7 +38,7 @@ class CommitListener:
         database_url: str,
         schema: str,
         channel: str,
-        claim: Callable[[list[str]], ClaimReport],
+        claim: Callable[[list[str] | None], ClaimReport],
         *,
         coalesce: float = 0.0,
         standby_retry: float = 5.0,
@@ -104,7 +106,10 @@ class CommitListener:
             conn.execute(f"LISTEN {quoted(self.channel)}")
             self.leading.set()
             event(log, logging.INFO, "listener_listening", f"listening on {self.channel}")
-            saturated: set[str] = set()
+            # commits made while no listener listened (workers starting, a listener taking
+            # over) sent notifications nobody received: one pass claims them now, not at beat's
+            report = self.claim(None)
+            saturated: set[str] = set(getattr(report, "saturated", None) or ())
             while not self._stop.is_set():
                 wait = self.refill if saturated else 0.5
                 families = {n.payload for n in conn.notifies(timeout=wait, stop_after=1)}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -189,7 +189,7 @@ LEASE = {"lease": 30.0, "max_attempts": None, "park_lost": False, "max_lost": 5}
 def _claim_plan(store: Store, conn: psycopg.Connection[Any], limit: int) -> str:
     """EXPLAIN ANALYZE of the claim's lease (count, pick and lease in one statement), in the
     caller's transaction (roll it back)."""
-    params = {
+    params: dict[str, Any] = {
         **LEASE,
         "family": "intent",
         "ids": None,

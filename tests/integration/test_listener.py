@@ -15,6 +15,7 @@ import pytest
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.listener import CommitListener
+from tests.conftest import count_rows
 
 
 def test_commit_wakes_the_listener_and_rollback_does_not(
@@ -23,9 +24,10 @@ def test_commit_wakes_the_listener_and_rollback_does_not(
     woken: list[tuple[float, list[str]]] = []
     event = threading.Event()
 
-    def claim(families: list[str]) -> ClaimReport:
-        woken.append((time.monotonic(), families))
-        event.set()
+    def claim(families: list[str] | None) -> ClaimReport:
+        if families is not None:  # not the pass over every family when it starts listening
+            woken.append((time.monotonic(), families))
+            event.set()
         return ClaimReport()
 
     listener = CommitListener(database_url, schema, dispatcher.store.channel, claim)
@@ -53,6 +55,36 @@ def test_commit_wakes_the_listener_and_rollback_does_not(
         assert at - committed < 0.5
         time.sleep(0.2)
         assert len(woken) == 1
+    finally:
+        listener.stop()
+
+
+def test_a_listener_claims_what_was_committed_before_it_listened(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """Workers starting, or a standby taking over: the commits made while nobody listened
+    sent notifications no one received. The listener claims every family once when it starts
+    listening, so those rows do not wait for beat's pass (no beat runs here)."""
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        row_id = dispatcher.enqueue(conn, commands(), {})
+    passes: list[list[str] | None] = []
+
+    def claim(families: list[str] | None) -> ClaimReport:
+        passes.append(families)
+        return dispatcher.claim_and_publish(families)
+
+    listener = CommitListener(database_url, schema, dispatcher.store.channel, claim)
+    listener.start()
+    try:
+        assert listener.leading.wait(5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # claimed, or already delivered by the worker
+            if not count_rows(database_url, schema, f"id = {row_id} AND claim_token IS NULL"):
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"row {row_id} was not claimed when the listener started")
+        assert passes[0] is None
     finally:
         listener.stop()
 
@@ -86,7 +118,9 @@ def test_a_saturated_family_is_claimed_again_until_its_backlog_is_gone(
     at: list[float] = []
     done = threading.Event()
 
-    def claim(families: list[str]) -> ClaimReport:
+    def claim(families: list[str] | None) -> ClaimReport:
+        if families is None:  # the pass over every family when it starts listening
+            return ClaimReport()
         calls.append(families)
         at.append(time.monotonic())
         if len(calls) >= 4:
