@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 import redis
 
 from .errors import ConfigurationError, OutboxError
+from .forksafe import ForkSafeLock
 from .logs import event, mask_dsn
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Caps:
         self.wake_ms = max(1, int(wake_window * 1000))
         self._client: redis.Redis | None = None
         self._renew_client: redis.Redis | None = None
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._scripts: dict[str, Any] = {}
         # the databases whose claimers take freed slots (None: the first, keys as before)
         self.databases: list[str | None] = [None]

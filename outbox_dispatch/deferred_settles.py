@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from .errors import OutboxError
+from .forksafe import ForkSafeLock
 from .logs import event
 from .rows import Started
 from .settle import SettleKind
@@ -44,7 +45,7 @@ class DeferredSettles:
         self.refused = refused  # the one-row settle, for rows the batch statement skipped
         self.settled = settled  # after the commit: give back the row's cap slot
         self._pending: list[tuple[SettleKind, Started]] = []
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0

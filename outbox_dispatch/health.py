@@ -8,12 +8,12 @@ settles) still waits for it, since giving up there would run a finished row agai
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import DatabaseUnavailable
+from .forksafe import ForkSafeLock
 
 FIRST_BACKOFF = 1.0  # seconds new work waits after a failure before one call probes again
 MAX_BACKOFF = 10.0
@@ -57,7 +57,7 @@ class Breaker:
     def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.clock = clock
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._down_until = 0.0
         self._backoff = 0.0
         self._probing = False

@@ -20,6 +20,7 @@ from typing import Any
 from uuid import UUID
 
 from .errors import OutboxError
+from .forksafe import ForkSafeLock
 from .handlers import Context
 from .logs import event
 from .settle import StopReason
@@ -70,7 +71,7 @@ class Heartbeats:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._running: dict[Key, Running] = {}
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._thread: threading.Thread | None = None
         self._pid = 0
 

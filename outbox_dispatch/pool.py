@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from .forksafe import ForkSafeLock
 from .logs import MaskDsnFilter
 
 Conn = psycopg.Connection[Any]
@@ -52,7 +52,7 @@ class Pools:
         self._sizes = {"outbox": (1, pool_size), "handlers": (0, handler_pool_size)}
         self._pools: dict[str, ConnectionPool] = {}
         self._pid = 0
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def main(self) -> ConnectionPool:
         return self._get("outbox")

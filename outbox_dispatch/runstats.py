@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 
 from .errors import OutboxError
+from .forksafe import ForkSafeLock
 from .logs import event
 from .store import Store
 
@@ -34,7 +34,7 @@ class RunTimes:
         self.store = store
         self._mean: dict[str, float] = {}
         self._reported: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def record(self, family: str, seconds: float) -> None:
         now = time.monotonic()

@@ -224,6 +224,10 @@ def install_listener_step(app: Any, make: Callable[[], list[CommitListener]]) ->
     from celery import bootsteps
 
     class OutboxCommitListener(bootsteps.StartStopStep):  # type: ignore[misc]
+        # after the pool: its first children are forked before the listener threads run
+        # (children forked later are covered by forksafe.py's locks)
+        requires = ("celery.worker.components:Pool",)
+
         def __init__(self, parent: Any, **kwargs: Any) -> None:
             super().__init__(parent, **kwargs)
             self.listeners: list[CommitListener] = []

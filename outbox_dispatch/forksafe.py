@@ -1,0 +1,53 @@
+"""Locks a forked child gets unlocked.
+
+Celery's prefork pool forks its children while the worker's main process runs threads of
+ours (the commit listeners claim in their own threads, and a child is forked again whenever
+one exits). A child inherits every lock as it was at the fork: one that a listener thread
+held (creating a connection pool, say) stays locked forever in the child, whose first
+delivery then hangs (seen: one child in a few thousand rows, its message never settled).
+These locks are replaced in the child right after the fork, while it has only one thread;
+what they guard is itself rebuilt per process (pools, clients, threads) or harmless to keep.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from types import TracebackType
+
+_LOCKS: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
+
+
+class ForkSafeLock:
+    """A ``threading.Lock`` for ``with`` blocks, new and unlocked in every forked child."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _LOCKS.add(self)
+
+    def __enter__(self) -> ForkSafeLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def _renew(self) -> None:
+        self._lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_LOCKS):
+        lock._renew()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
