@@ -32,7 +32,7 @@ from .errors import (
 )
 from .handlers import HandlerFn, Registration, Registry
 from .health import Breaker
-from .listener import CommitListener
+from .listener import SAFETY_INTERVAL, CommitListener
 from .logs import about_database, event, mask_dsn
 from .maintenance import Maintenance
 from .migrations import migrate
@@ -159,7 +159,11 @@ class Dispatcher:
             app, self._deliver_from_queue, self.claim_and_publish
         )
         self.publisher = Publisher(app, self._deliver_task, self._shown_name)
-        wiring.add_beat_entry(app, claim_interval, self.claim_queue)
+        # with commit listeners, the leading one claims every claim_interval itself and beat's
+        # entry is the safety net (listener.py): a claim task every second cost the deliveries
+        # around it several ms each time
+        beat_every = max(claim_interval, SAFETY_INTERVAL) if listen else claim_interval
+        wiring.add_beat_entry(app, beat_every, self.claim_queue)
         self.prune_batch = prune_batch
         wiring.register_periodic(app, wiring.PRUNE_TASK, self.prune)
         wiring.add_periodic_entry(
@@ -218,6 +222,7 @@ class Dispatcher:
             self.schema,
             db.store.channel,
             partial(self.claim_and_publish, database=db.name),
+            sweep=self.claim_interval,
             database=self._shown(db),
         )
 

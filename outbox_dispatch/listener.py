@@ -7,7 +7,11 @@ others wait to take over if it dies. The listener claims serially: notifications
 while a claim pass runs (or within ``coalesce`` seconds of the first) are served by one pass,
 so a burst of commits is not a burst of claims, and a lone commit waits for nothing. When it
 starts listening it claims every family once: commits made while nobody listened (workers
-starting, a standby taking over) sent notifications that no one received.
+starting, a standby taking over) sent notifications that no one received. Every ``sweep``
+seconds (the dispatcher's ``claim_interval``) it claims every family again, for rows that come
+due without a commit (delays, retries, lapsed leases): beat's claim entry, which would send a
+task to a pool process every second for that, then runs only as the safety net (every
+``SAFETY_INTERVAL``), since each of its ticks delayed the deliveries around it by several ms.
 
 A family whose claim stopped at its in-flight limit (or a full queue) is claimed again every
 ``refill`` seconds until a claim finds fewer due rows than it could take: under a backlog the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import psycopg
@@ -30,6 +35,7 @@ from .naming import quoted
 log = logging.getLogger(__name__)
 
 REFILL = 0.05  # seconds between claims of a family held back by its in-flight limit
+SAFETY_INTERVAL = 10.0  # seconds between beat's claim passes while commit listeners run
 
 
 class CommitListener:
@@ -41,8 +47,9 @@ class CommitListener:
         claim: Callable[[list[str] | None], ClaimReport],
         *,
         coalesce: float = 0.0,
-        standby_retry: float = 5.0,
+        standby_retry: float = 1.0,
         refill: float = REFILL,
+        sweep: float | None = None,
         database: str | None = None,
     ) -> None:
         self.database = database  # its name in log lines, when the dispatcher has several
@@ -53,6 +60,7 @@ class CommitListener:
         self.coalesce = coalesce
         self.standby_retry = standby_retry
         self.refill = refill
+        self.sweep = sweep
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.leading = threading.Event()
@@ -110,12 +118,25 @@ class CommitListener:
             # over) sent notifications nobody received: one pass claims them now, not at beat's
             report = self.claim(None)
             saturated: set[str] = set(getattr(report, "saturated", None) or ())
+            next_sweep = self._next_sweep()
             while not self._stop.is_set():
                 wait = self.refill if saturated else 0.5
+                if next_sweep is not None:
+                    wait = max(0.0, min(wait, next_sweep - time.monotonic()))
                 families = {n.payload for n in conn.notifies(timeout=wait, stop_after=1)}
+                if next_sweep is not None and time.monotonic() >= next_sweep:
+                    # rows that came due without a commit (delays, retries, lapsed leases);
+                    # the families just notified are among every family
+                    report = self.claim(None)
+                    saturated = set(getattr(report, "saturated", None) or ())
+                    next_sweep = self._next_sweep()
+                    continue
                 if not families and not saturated:
                     continue
                 if families:
                     families |= {n.payload for n in conn.notifies(timeout=self.coalesce)}
                 report = self.claim(sorted(families | saturated))
                 saturated = set(getattr(report, "saturated", None) or ())
+
+    def _next_sweep(self) -> float | None:
+        return None if self.sweep is None else time.monotonic() + self.sweep

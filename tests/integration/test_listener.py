@@ -89,6 +89,34 @@ def test_a_listener_claims_what_was_committed_before_it_listened(
         listener.stop()
 
 
+def test_a_leading_listener_claims_rows_that_come_due_without_a_commit(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """A delayed row sends no NOTIFY when it comes due; the leading listener's pass every
+    ``sweep`` seconds claims it (beat's entry then only backs the listener up)."""
+    passes: list[float] = []
+
+    def claim(families: list[str] | None) -> ClaimReport:
+        if families is None:
+            passes.append(time.monotonic())
+        return dispatcher.claim_and_publish(families)
+
+    listener = CommitListener(database_url, schema, dispatcher.store.channel, claim, sweep=0.2)
+    listener.start()
+    try:
+        assert listener.leading.wait(5)
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            row_id = dispatcher.enqueue(conn, commands(), {}, delay=timedelta(seconds=0.5))
+        deadline = time.monotonic() + 5
+        while count_rows(database_url, schema, f"id = {row_id} AND claim_token IS NULL"):
+            assert time.monotonic() < deadline, f"row {row_id} came due and was not claimed"
+            time.sleep(0.02)
+        gaps = [b - a for a, b in itertools.pairwise(passes)]
+        assert len(passes) >= 3 and min(gaps) >= 0.15, gaps  # every sweep, not a spin
+    finally:
+        listener.stop()
+
+
 def test_only_one_listener_per_schema_leads(
     dispatcher: Dispatcher, database_url: str, schema: str
 ) -> None:

@@ -11,6 +11,7 @@ import psycopg
 from celery import Celery
 
 from outbox_dispatch import Dispatcher
+from outbox_dispatch.listener import SAFETY_INTERVAL
 from outbox_dispatch.wiring import CLAIM_ENTRY, CLAIM_TASK, DELIVER_TASK
 from tests.conftest import count_rows
 
@@ -97,8 +98,13 @@ def test_app_wiring(dispatcher: Dispatcher, celery_app: Celery) -> None:
     assert {"outbox.claim", "outbox.intent", "outbox.job", "outbox.quick"} <= set(names)
     entry = conf.beat_schedule[CLAIM_ENTRY]
     assert entry["task"] == CLAIM_TASK
-    assert entry["schedule"] == 1.0
+    assert entry["schedule"] == 1.0  # listen=False: beat's pass is the only one
     assert entry["options"]["expires"] == 1.0
+    # with commit listeners, the leading listener claims every claim_interval itself and
+    # beat's entry is the safety net
+    listening = Celery("wiring_listen", set_as_current=False)
+    Dispatcher(listening, database_url="postgresql://127.0.0.1/unused", claim_interval=0.5)
+    assert listening.conf.beat_schedule[CLAIM_ENTRY]["schedule"] == SAFETY_INTERVAL
     deliver = celery_app.tasks[DELIVER_TASK]
     assert deliver.acks_late and deliver.reject_on_worker_lost and deliver.ignore_result
 
