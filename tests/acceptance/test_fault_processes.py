@@ -122,7 +122,17 @@ def test_a_handler_that_kills_its_process_every_time_ends_parked_and_the_worker_
     assert per_row == {i: 1 for i in ok_ids}
     assert [r[0] for r in _query(env, "SELECT id FROM S.outbox")] == [doomed]  # parked, kept
 
-    log = (tmp_path / "worker.log").read_text(errors="replace")
-    assert log.count("exited with 'signal 9 (SIGKILL)'") == MAX_ATTEMPTS
-    assert "row parked at claim: its last attempt ended without an outcome" in log
-    assert f"row_id={doomed}" in log
+    def log() -> str:
+        return (tmp_path / "worker.log").read_text(errors="replace")
+
+    # the main process notices a dead child on its own schedule (about a second), which can
+    # come after the claim that parked the row once its lease ran out
+    _wait(
+        lambda: log().count("exited with 'signal 9 (SIGKILL)'") >= MAX_ATTEMPTS,
+        10,
+        "the worker to log every kill",
+        worker,
+    )
+    assert log().count("exited with 'signal 9 (SIGKILL)'") == MAX_ATTEMPTS
+    assert "row parked at claim: its last attempt ended without an outcome" in log()
+    assert f"row_id={doomed}" in log()
