@@ -206,6 +206,17 @@ def on_configured(app: Celery, fn: Callable[[], None]) -> None:
     app.on_after_configure.connect(handler, weak=False)
 
 
+def on_pool_process_start(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in each pool process as it starts (prefork children, and the ones that
+    replace them)."""
+    from celery import signals
+
+    def handler(**_kw: Any) -> None:
+        fn()
+
+    signals.worker_process_init.connect(handler, weak=False)
+
+
 def on_worker_exit(fn: Callable[[], None]) -> None:
     """Run ``fn`` when a pool process or the worker shuts down (a warm shutdown), so work
     handed to background threads is finished, not dropped."""

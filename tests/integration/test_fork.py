@@ -5,7 +5,10 @@ that child's first delivery hanging forever (one row in a few thousand never set
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.synchronize
+import os
 import threading
+import time
 
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.health import Breaker
@@ -51,3 +54,30 @@ def test_a_child_forked_while_a_thread_holds_the_pools_lock_still_connects(
         store.close()
     assert not hung, "the forked child hung on a lock its parent's thread held at the fork"
     assert done.is_set() and child.exitcode == 0
+
+
+def _child_starts_as_a_pool_process(
+    d: Dispatcher, ready: multiprocessing.synchronize.Event
+) -> None:
+    from celery import signals
+
+    signals.worker_process_init.send(sender=None)  # what Celery sends in a new pool process
+    own = d.store.pools._pid == os.getpid()  # not the parent's pools, inherited
+    pool = d.store.pools._pools.get("outbox") if own else None  # opened by the signal
+    deadline = time.monotonic() + 5
+    while pool is not None and time.monotonic() < deadline:
+        if pool.get_stats().get("pool_available", 0) >= 1:
+            ready.set()
+            break
+        time.sleep(0.02)
+    d.store.close()
+
+
+def test_a_pool_process_connects_as_it_starts_not_at_its_first_delivery(
+    dispatcher: Dispatcher,
+) -> None:
+    ready = FORK.Event()
+    child = FORK.Process(target=_child_starts_as_a_pool_process, args=(dispatcher, ready))
+    child.start()
+    child.join(15)
+    assert ready.is_set(), "the pool process had no open connection before its first delivery"
