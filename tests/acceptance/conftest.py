@@ -88,6 +88,11 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
             p.wait()
     for log in logs:
         log.close()
+        # pytest shows a test's captured teardown output only when the test failed: then each
+        # process's last lines are in the report (a CI run leaves nothing else behind)
+        lines = Path(log.name).read_text(errors="replace").splitlines()
+        print(f"--- {Path(log.name).name}, last {min(len(lines), 60)} lines ---")
+        print("\n".join(lines[-60:]))
 
 
 def worker_with_beat(app: str, beat_dir: Path, *extra: str, concurrency: int = 2) -> list[str]:
