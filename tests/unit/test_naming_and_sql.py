@@ -47,7 +47,7 @@ def test_named_queries_are_complete_and_schema_qualified() -> None:
 
 
 def test_every_query_the_package_names_exists_and_every_query_is_used() -> None:
-    """Queries are named in the code by their full name (``q["claim_pick_due"]``, or the
+    """Queries are named in the code by their full name (``q["claim_lease"]``, or the
     settle decision's table), never built from parts, so a reader finds each one from its use
     and each use from the SQL."""
     package = Path(outbox_dispatch.__file__).parent
