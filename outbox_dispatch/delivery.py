@@ -13,13 +13,13 @@ from typing import Any
 from uuid import UUID
 
 from . import metrics, tracing
-from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable
+from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
 from .deferred_settles import DeferredSettles
-from .errors import DatabaseUnavailable, PermanentFailure, RetryLater
+from .errors import DatabaseUnavailable, OutboxError, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
-from .policy import CapRule, Family, cap_rule
+from .policy import CapRule, Family, cap_rule, family_is_capped
 from .pool import Conn
 from .rows import Started
 from .runstats import RunTimes
@@ -99,6 +99,19 @@ def describe_error(exc: BaseException) -> str:
     return mask_dsn(text)[:MAX_ERROR_LENGTH]  # a handler's own DB error may quote its URL
 
 
+@dataclass(frozen=True)
+class CheckedSlot:
+    """A batched message's check of one row's cap slot (``Caps.renew``'s answer, and when)."""
+
+    state: int
+    at: float  # time.monotonic() of the renewal
+
+    def fresh(self, family: Family) -> bool:
+        """Recent enough to start on: the slot was renewed for a whole heartbeat timeout, and
+        the row's own heartbeat renews it a third of one after its start."""
+        return time.monotonic() - self.at < family.heartbeat_timeout / 6
+
+
 class Delivery:
     def __init__(
         self,
@@ -111,6 +124,7 @@ class Delivery:
             lambda family, command, actor: cap_rule(family, command, None, actor)
         ),
         on_slot_freed: Callable[[str], None] = lambda family: None,
+        is_capped: Callable[[Family], bool] = lambda family: family_is_capped(family, False),
         rand: Callable[[], float] = random.random,
         run_times: RunTimes | None = None,
         database: str = "default",
@@ -124,6 +138,7 @@ class Delivery:
         self.caps = caps
         self.cap_rule = cap_rule
         self.on_slot_freed = on_slot_freed
+        self.is_capped = is_capped
         self.rand = rand
         self.run_times = run_times
         self.heartbeats = Heartbeats(store)
@@ -168,12 +183,18 @@ class Delivery:
         # row past its own hard limit keeps its lease until then, when the pool process is
         # killed, so no second copy of it can start while it still runs.
         until = None if hard is None else time.monotonic() + hard * len(pairs)
+        checked = self._check_slots(pairs, family)
         results: list[Result] = []
         for row_id, token in pairs:
             try:
                 results.append(
                     self.deliver(
-                        row_id, token, family_hint=family_hint, defer=defer, renew_until=until
+                        row_id,
+                        token,
+                        family_hint=family_hint,
+                        defer=defer,
+                        renew_until=until,
+                        slot=checked.get(row_id),
                     )
                 )
             except DatabaseUnavailable as exc:
@@ -188,6 +209,35 @@ class Delivery:
             # again, flagged maybe_applied); one statement per message, not per row
             self.deferred.flush()
         return results
+
+    def _check_slots(
+        self, pairs: list[tuple[int, UUID]], family: Family | None
+    ) -> dict[int, CheckedSlot]:
+        """The cap slots of a batched message's rows, renewed in one Redis round trip (after
+        one statement for their actors) instead of one round trip per row as each starts; a
+        row that starts soon after uses this answer (see CheckedSlot.fresh). Without an answer
+        (Redis or Postgres down) each row checks its own slot, as a lone row does."""
+        if family is None or self.caps is None or len(pairs) < 2 or not self.is_capped(family):
+            return {}
+        tokens = dict(pairs)
+        try:
+            holders = self.store.batch_actors(list(tokens))
+        except OutboxError:
+            return {}
+        slots: list[tuple[int, Slot]] = []
+        for row_id, command, actor in holders:
+            rule = self.cap_rule(family, command, actor)
+            if rule is not None and actor is not None:
+                slot = Slot(family.name, actor, tokens[row_id], rule.limit, rule.scope)
+                slots.append((row_id, slot))
+        try:
+            states = self.caps.renew_many([s for _, s in slots], family.heartbeat_timeout)
+        except CapsUnavailable:
+            return {}
+        at = time.monotonic()
+        return {
+            row_id: CheckedSlot(state, at) for (row_id, _), state in zip(slots, states, strict=True)
+        }
 
     def _start_checked(self, started: Started, family: Family | None) -> Result:
         """The checks before a handler runs, for rows that fail them."""
@@ -206,7 +256,11 @@ class Delivery:
         return self._finish(started, family, Settle(SettleKind.PARK, error=error))
 
     def _context(
-        self, started: Started, family: Family, renew_until: float | None = None
+        self,
+        started: Started,
+        family: Family,
+        renew_until: float | None = None,
+        slot: CheckedSlot | None = None,
     ) -> tuple[Context, Running]:
         key = (started.id, started.token)
         ctx = Context(
@@ -227,7 +281,7 @@ class Delivery:
             ctx=ctx,
             token=started.token,
             run_lease=family.heartbeat_timeout,
-            renew_slot=self._slot_renewer(started, family),
+            renew_slot=self._slot_renewer(started, family, None if slot is None else slot.at),
             next_at=time.monotonic() + family.heartbeat_timeout / 3,
             soft_deadline=soft,
             deadline=hard,
@@ -242,19 +296,23 @@ class Delivery:
         family_hint: str | None = None,
         defer: bool = False,
         renew_until: float | None = None,
+        slot: CheckedSlot | None = None,
     ) -> Result:
+        """``slot``: the batch's check of this row's cap slot, used if still fresh."""
         started = self.store.begin(row_id, token, self._run_lease_for(family_hint))
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
             return Result(Outcome.STALE, row_id, why)
         family = self.families.get(started.family)
-        if family is not None and not self._slot_still_held(started, family):
+        if slot is not None and family is not None and not slot.fresh(family):
+            slot = None  # the batch's answer is too old to start on: ask Redis again
+        if family is not None and not self._slot_still_held(started, family, slot):
             return Result(Outcome.STALE, row_id, "cap slot lapsed")
         reg = self.registry.registration(started.command)
         if family is None or reg is None or reg.fn is None or started.cancel_requested:
             return self._start_checked(started, family)
-        _ctx, running = self._context(started, family, renew_until)
+        _ctx, running = self._context(started, family, renew_until, slot)
         self.heartbeats.add(running)
         metrics.started(started.family, started.waited, self.database)
         t0 = time.perf_counter()
@@ -408,17 +466,28 @@ class Delivery:
     def _capped(self, started: Started, family: Family) -> bool:
         return self._rule(started, family) is not None
 
-    def _slot_still_held(self, started: Started, family: Family) -> bool:
+    def _slot_still_held(
+        self, started: Started, family: Family, slot: CheckedSlot | None = None
+    ) -> bool:
         """A capped row may only start while its slot is live: if the slot lapsed, another row
-        of the actor may hold it now, so the row goes back, due, uncounted."""
+        of the actor may hold it now, so the row goes back, due, uncounted. ``slot``: the
+        answer of its batch's check, moments ago, instead of a round trip of its own."""
         rule = self._rule(started, family)
         if rule is None:
             return True
         assert self.caps is not None
         assert started.actor is not None
         try:
-            state = self.caps.renew(
-                started.family, started.actor, started.token, family.heartbeat_timeout, rule.scope
+            state = (
+                slot.state
+                if slot is not None
+                else self.caps.renew(
+                    started.family,
+                    started.actor,
+                    started.token,
+                    family.heartbeat_timeout,
+                    rule.scope,
+                )
             )
         except CapsUnavailable as exc:
             # Without Redis the slot cannot be checked: the row goes back and waits in Postgres.
@@ -443,7 +512,9 @@ class Delivery:
             return False
         return True
 
-    def _slot_renewer(self, started: Started, family: Family) -> Callable[[], SlotState] | None:
+    def _slot_renewer(
+        self, started: Started, family: Family, renewed_at: float | None = None
+    ) -> Callable[[], SlotState] | None:
         """Renews the row's cap slot. While Redis cannot be reached the slot runs on until its
         last renewal's lease ends, and the row's lease is not renewed past it; a renewal
         before that end that still fails reports the slot LAPSED, so the handler stops before
@@ -455,10 +526,11 @@ class Delivery:
         assert caps is not None
         assert actor is not None
         timeout = family.heartbeat_timeout
-        # The begin renewed the slot just before this runs. Renewals start every timeout/3
+        # The slot was renewed just before this runs (after the begin, or by the batch's check
+        # at ``renewed_at``, at most a sixth of the timeout ago). Renewals start every timeout/3
         # (give or take a tick) and give up after RENEW_TIMEOUT, so a failure that leaves less
         # than this margin is the last one before the slot's end.
-        until = [time.monotonic() + timeout]
+        until = [(time.monotonic() if renewed_at is None else renewed_at) + timeout]
         margin = timeout / 3 + 2 * TICK + RENEW_TIMEOUT
 
         def renew() -> SlotState:

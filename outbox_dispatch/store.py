@@ -402,6 +402,12 @@ class Store:
             row[9],
         )
 
+    def batch_actors(self, ids: Sequence[int]) -> list[tuple[int, str, str | None]]:
+        """(id, command, actor) of a batched message's rows that have an actor."""
+        with translated("batch slot check"), self._starting() as conn:
+            rows = conn.execute(self.q["deliver_batch_actors"], {"ids": list(ids)}).fetchall()
+        return [(int(r[0]), str(r[1]), r[2]) for r in rows]
+
     def settle_many(self, kind: SettleKind, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
         """Settle delivered rows (``delete`` or ``done``) handed to the deferred settles;
         returns the ids settled."""

@@ -13,6 +13,12 @@ RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
     EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id) AS cancel_requested,
     extract(epoch FROM now() - due_since)::float8 AS waited, trace_context;
 
+-- name: deliver_batch_actors
+-- A batched capped message's rows before the first starts: their commands and actors, so
+-- that their cap slots are checked in one Redis round trip, not one per row.
+SELECT id, command, actor FROM __SCHEMA__.outbox
+WHERE id = ANY(%(ids)s::bigint[]) AND actor IS NOT NULL;
+
 -- name: deliver_explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,
        due_at <= now() AS lapsed

@@ -206,3 +206,50 @@ def test_a_capped_family_batches_and_keeps_its_cap(
         time.sleep(0.05)
     assert max(most.values()) <= 2
     assert any(_rows_in(m) > 1 for m in _deliveries(published))
+
+
+def test_a_capped_batch_checks_its_slots_in_one_round_trip_and_still_hands_back_a_lapsed_one(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """A batched message of capped rows renews their cap slots together before the first
+    starts, not one Redis round trip per row; a row whose slot lapsed meanwhile is still
+    handed back (due again, uncounted) instead of running past its cap."""
+    caps = dispatcher.caps
+    assert caps is not None
+    cmd = commands(family="cappedbatch")
+    actor = f"b{time.monotonic_ns()}"
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        first, second = dispatcher.enqueue_many(conn, [Message(cmd, {}, actor=actor)] * 2)
+    claimed = dispatcher.claimer.claim_family(dispatcher.families["cappedbatch"]).claimed
+    tokens = {c.id: c.token for c in claimed if c.id in (first, second)}
+    assert set(tokens) == {first, second}
+    # the second row's slot lapses while the message waits
+    redis_client = caps.client
+    redis_client.zrem(caps.key("cappedbatch", actor), str(tokens[second]))
+    calls: list[str] = []
+    one, many = caps.renew, caps.renew_many
+
+    def renew(*args: Any, **kwargs: Any) -> int:
+        calls.append("renew")
+        return one(*args, **kwargs)
+
+    def renew_many(*args: Any, **kwargs: Any) -> list[int]:
+        calls.append("renew_many")
+        return many(*args, **kwargs)
+
+    caps.renew, caps.renew_many = renew, renew_many  # type: ignore[method-assign]
+    try:
+        results = dispatcher.delivery.deliver_batch(
+            [(first, tokens[first]), (second, tokens[second])], family_hint="cappedbatch"
+        )
+    finally:
+        del caps.renew, caps.renew_many
+    assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.STALE]
+    assert calls == ["renew_many"]  # one round trip for the message, none per row
+    assert count_rows(database_url, schema, f"id = {first}") == 0
+    # handed back: due again, no claim, the attempt given back
+    assert count_rows(
+        database_url,
+        schema,
+        f"id = {second} AND claim_token IS NULL AND started_at IS NULL AND attempts = 0",
+    )
