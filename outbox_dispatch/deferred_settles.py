@@ -39,11 +39,11 @@ class DeferredSettles:
         self,
         store: Store,
         refused: Callable[[SettleKind, Started], None],
-        settled: Callable[[Started], None] = lambda started: None,
+        settled: Callable[[list[Started]], None] = lambda rows: None,
     ) -> None:
         self.store = store
         self.refused = refused  # the one-row settle, for rows the batch statement skipped
-        self.settled = settled  # after the commit: give back the row's cap slot
+        self.settled = settled  # after the commit: give back the rows' cap slots
         self._pending: list[tuple[SettleKind, Started]] = []
         self._lock = ForkSafeLock()
         self._wake = threading.Event()
@@ -96,8 +96,7 @@ class DeferredSettles:
                     "their lease with maybe_applied",
                 )
                 continue
+            self.settled([s for s in rows if s.id in settled])
             for s in rows:
-                if s.id in settled:
-                    self.settled(s)
-                else:
+                if s.id not in settled:
                     self.refused(kind, s)

@@ -362,8 +362,20 @@ class Delivery:
             return Result(Outcome.DELIVERED, started.id)
         return self._finish(started, family, settle, elapsed)
 
-    def _release_settled(self, started: Started) -> None:
-        self._release(started, self.families.get(started.family))
+    def _release_settled(self, rows: list[Started]) -> None:
+        """The cap slots of rows the deferred settles just settled, in one round trip."""
+        if self.caps is None or not rows:
+            return
+        slots = []
+        for started in rows:
+            family = self.families.get(started.family)
+            rule = None if family is None else self._rule(started, family)
+            if rule is not None and started.actor is not None:
+                slots.append(
+                    Slot(started.family, started.actor, started.token, rule.limit, rule.scope)
+                )
+        for family_name in sorted(self.caps.release_settled(slots, self.caps_database)):
+            self.on_slot_freed(family_name)  # a claim lets a waiting row in
 
     def _settle_refused(self, kind: SettleKind, started: Started) -> None:
         """A deferred settle the batch statement skipped: a cancel request arrived, or the

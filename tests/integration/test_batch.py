@@ -253,3 +253,54 @@ def test_a_capped_batch_checks_its_slots_in_one_round_trip_and_still_hands_back_
     assert not count_rows(
         database_url, schema, f"id = {second} AND (lost_attempts > 0 OR maybe_applied)"
     )
+
+
+def test_a_settled_capped_batch_gives_its_slots_back_in_one_round_trip(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """The deferred settles give back the cap slots of the rows one statement settled in one
+    Redis round trip, not one per row; the freed slots let the actor's waiting row in."""
+    caps = dispatcher.caps
+    assert caps is not None
+    cmd = commands(family="cappedbatch")
+    actor = f"r{time.monotonic_ns()}"
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {}, actor=actor)] * 3)
+    family = dispatcher.families["cappedbatch"]
+    claimed = [c for c in dispatcher.claimer.claim_family(family).claimed if c.id in ids]
+    assert len(claimed) == 2  # cap 2: the third row waits
+    calls: list[int] = []
+    statements: list[int] = []
+    real, settle_many = caps.release_settled, dispatcher.store.settle_many
+
+    ours = {c.token for c in claimed}  # the session worker may settle other rows meanwhile
+
+    def release_settled(slots: Any, database: Any = None) -> set[str]:
+        if n := sum(s.token in ours for s in slots):
+            calls.append(n)
+        return real(slots, database)
+
+    def counted_settle_many(kind: Any, pairs: Any) -> set[int]:
+        if n := sum(token in ours for _, token in pairs):
+            statements.append(n)
+        return settle_many(kind, pairs)
+
+    caps.release_settled = release_settled  # type: ignore[method-assign]
+    dispatcher.store.settle_many = counted_settle_many  # type: ignore[method-assign]
+    try:
+        results = dispatcher.delivery.deliver_batch(
+            [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True
+        )
+    finally:
+        del caps.release_settled, dispatcher.store.settle_many
+    assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.DELIVERED]
+    # one release round trip per settle statement (the thread may settle the first row alone
+    # before the second returns), never one per row
+    assert calls == statements and sum(calls) == 2
+    assert caps.holders("cappedbatch", actor) == []
+    # the waiting row gets a freed slot at the next claim
+    deadline = time.monotonic() + 10
+    while count_rows(database_url, schema, f"id = {ids[2]} AND claim_token IS NULL"):
+        assert time.monotonic() < deadline, "the waiting row never got a freed slot"
+        dispatcher.claimer.claim_family(family)
+        time.sleep(0.05)
