@@ -224,12 +224,11 @@ class Delivery:
             holders = self.store.batch_actors(list(tokens))
         except OutboxError:
             return {}
-        slots: list[tuple[int, Slot]] = []
-        for row_id, command, actor in holders:
-            rule = self.cap_rule(family, command, actor)
-            if rule is not None and actor is not None:
-                slot = Slot(family.name, actor, tokens[row_id], rule.limit, rule.scope)
-                slots.append((row_id, slot))
+        slots = [
+            (row_id, slot)
+            for row_id, command, actor in holders
+            if (slot := self._slot(family, command, actor, tokens[row_id])) is not None
+        ]
         try:
             states = self.caps.renew_many([s for _, s in slots], family.heartbeat_timeout)
         except CapsUnavailable:
@@ -366,14 +365,7 @@ class Delivery:
         """The cap slots of rows the deferred settles just settled, in one round trip."""
         if self.caps is None or not rows:
             return
-        slots = []
-        for started in rows:
-            family = self.families.get(started.family)
-            rule = None if family is None else self._rule(started, family)
-            if rule is not None and started.actor is not None:
-                slots.append(
-                    Slot(started.family, started.actor, started.token, rule.limit, rule.scope)
-                )
+        slots = [slot for started in rows if (slot := self._slot_of(started)) is not None]
         for family_name in sorted(self.caps.release_settled(slots, self.caps_database)):
             self.on_slot_freed(family_name)  # a claim lets a waiting row in
 
@@ -474,6 +466,19 @@ class Delivery:
         if self.caps is None:
             return None
         return self.cap_rule(family, started.command, started.actor)
+
+    def _slot(self, family: Family, command: str, actor: str | None, token: UUID) -> Slot | None:
+        """The cap slot a row of ``family`` holds under ``token``, if its command is capped."""
+        rule = None if self.caps is None else self.cap_rule(family, command, actor)
+        if rule is None or actor is None:
+            return None
+        return Slot(family.name, actor, token, rule.limit, rule.scope)
+
+    def _slot_of(self, started: Started) -> Slot | None:
+        family = self.families.get(started.family)
+        if family is None:
+            return None
+        return self._slot(family, started.command, started.actor, started.token)
 
     def _capped(self, started: Started, family: Family) -> bool:
         return self._rule(started, family) is not None
@@ -611,14 +616,17 @@ class Delivery:
 
     def _release(self, started: Started, family: Family | None) -> None:
         # only after the settle committed: the slot covers the row until it is settled
-        rule = None if family is None else self._rule(started, family)
-        if rule is not None:
+        slot = (
+            None
+            if family is None
+            else self._slot(family, started.command, started.actor, started.token)
+        )
+        if slot is not None:
             assert self.caps is not None
-            assert started.actor is not None
             if self.caps.release(
-                started.family, started.actor, started.token, rule.scope, self.caps_database
+                slot.family, slot.actor, slot.token, slot.scope, self.caps_database
             ):
-                self.on_slot_freed(started.family)  # a claim lets a waiting row in
+                self.on_slot_freed(slot.family)  # a claim lets a waiting row in
 
 
 def _deadlines(family: Family) -> tuple[float | None, float | None]:

@@ -117,7 +117,7 @@ class CommitListener:
             # commits made while no listener listened (workers starting, a listener taking
             # over) sent notifications nobody received: one pass claims them now, not at beat's
             report = self.claim(None)
-            saturated: set[str] = set(getattr(report, "saturated", None) or ())
+            saturated = _held_back(report)
             next_sweep = self._next_sweep()
             while not self._stop.is_set():
                 wait = self.refill if saturated else 0.5
@@ -128,7 +128,7 @@ class CommitListener:
                     # rows that came due without a commit (delays, retries, lapsed leases);
                     # the families just notified are among every family
                     report = self.claim(None)
-                    saturated = set(getattr(report, "saturated", None) or ())
+                    saturated = _held_back(report)
                     next_sweep = self._next_sweep()
                     continue
                 if not families and not saturated:
@@ -136,7 +136,12 @@ class CommitListener:
                 if families:
                     families |= {n.payload for n in conn.notifies(timeout=self.coalesce)}
                 report = self.claim(sorted(families | saturated))
-                saturated = set(getattr(report, "saturated", None) or ())
+                saturated = _held_back(report)
 
     def _next_sweep(self) -> float | None:
         return None if self.sweep is None else time.monotonic() + self.sweep
+
+
+def _held_back(report: ClaimReport) -> set[str]:
+    """The families a claim pass left at their in-flight limit: claimed again every refill."""
+    return set(getattr(report, "saturated", None) or ())

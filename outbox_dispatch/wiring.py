@@ -211,10 +211,7 @@ def on_pool_process_start(fn: Callable[[], None]) -> None:
     replace them)."""
     from celery import signals
 
-    def handler(**_kw: Any) -> None:
-        fn()
-
-    signals.worker_process_init.connect(handler, weak=False)
+    _on_signals(fn, signals.worker_process_init)
 
 
 def on_worker_exit(fn: Callable[[], None]) -> None:
@@ -222,11 +219,15 @@ def on_worker_exit(fn: Callable[[], None]) -> None:
     handed to background threads is finished, not dropped."""
     from celery import signals
 
+    _on_signals(fn, signals.worker_process_shutdown, signals.worker_shutdown)
+
+
+def _on_signals(fn: Callable[[], None], *sent: Any) -> None:
     def handler(**_kw: Any) -> None:
         fn()
 
-    signals.worker_process_shutdown.connect(handler, weak=False)
-    signals.worker_shutdown.connect(handler, weak=False)
+    for signal in sent:
+        signal.connect(handler, weak=False)
 
 
 def install_listener_step(app: Any, make: Callable[[], list[CommitListener]]) -> None:
