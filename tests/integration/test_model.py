@@ -10,6 +10,12 @@ capped, ordered with parked rows blocking, ordered with parked rows passing) thr
 - ``work``: a waiting message delivered (the handler succeeds, fails, parks, or its worker
   dies in it), started and stalled, or lost; a consumed or lost message arriving late; a
   stalled attempt's heartbeat, its worker coming back to settle, or its message redelivered;
+- ``claim_packed`` / ``work_box``: a claim whose rows go out several to a message, as the
+  claimer packs a backlog; a worker runs the message with ``deliver_batch`` (its successes
+  settled by the deferred settles at the message's end), each row with its own behaviour; a
+  handler that kills the worker loses the successes not yet settled (they stay started, and
+  run again with maybe_applied), leaves the rows after it untouched, and the broker
+  redelivers the whole message;
 - ``cancel``: by id (often of a row whose claim is out) or by actor, committed;
 - ``world``: the clock jumps (Postgres by ``store.clock_offset``, Redis slots' scores by the
   same), Redis loses every key, a caps rebuild, maintenance, parked rows retried or purged.
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -128,6 +135,13 @@ WORK = (
     *("late ok", "late fail"),  # a consumed (or lost) message arrives again
     *("beat", "beat", "resume ok", "resume fail", "resume park", "duplicate"),  # of a stall
 )
+
+
+class _Unwoken(threading.Event):
+    """An event that is never set: the deferred settles' thread sleeps for good."""
+
+    def set(self) -> None:
+        pass
 
 
 class WorkerDied(BaseException):
@@ -511,6 +525,9 @@ def model_env(database_url: str, redis_url: str, schema: str, key_prefix: str) -
     for name, spec in SPECS.items():
         assert d.family(name, **COMMON, **spec) == FAMILIES[name]
     d.delivery.on_slot_freed = lambda family: None  # a claim request would only publish a task
+    # the deferred settles' thread would settle a batch's successes at a moment of its own;
+    # here only the batch's flush at its end settles them (a kill before it loses them)
+    d.delivery.deferred._wake = _Unwoken()
     read = psycopg.connect(database_url, autocommit=True)
     tx = psycopg.connect(database_url)
     client = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -600,6 +617,9 @@ class ModelMachine(RuleBasedStateMachine):
         # the delivery in progress
         self.current: Msg | None = None
         self.behavior = "ok"
+        self.plan: dict[int, tuple[Msg, str]] = {}  # the batched message in progress
+        self.batch_from = 0  # its first handler call
+        self.boxes: list[list[Msg]] = []  # batched messages nobody took yet
         self.resuming = False
         self.focus = PLAIN  # set by seed
 
@@ -614,10 +634,17 @@ class ModelMachine(RuleBasedStateMachine):
             stale=self.stale,
             requested=self.requested,
             known=self.known,
-            delivered=self.delivered,
+            delivered=self.delivered | self.returned_in_batch(),
             pruned=self.pruned,
             rejoined=frozenset(self.rejoined),
         )
+
+    def returned_in_batch(self) -> set[int]:
+        """Rows of the batched message in progress whose handler returned: the next row's
+        checks may see them settled before the batch is judged."""
+        if not self.plan:
+            return set()
+        return {c.row_id for c in self.calls[self.batch_from :] if c.returned}
 
     def slot_left(self, snap: Snapshot, msg: Msg) -> float | None:
         assert msg.actor is not None
@@ -674,6 +701,9 @@ class ModelMachine(RuleBasedStateMachine):
         )
 
     def on_handler(self, ctx: Context) -> None:
+        if self.plan:  # a batched message: each row has its own message and behaviour
+            assert ctx.row_id in self.plan, f"handler of row {ctx.row_id} ran outside its batch"
+            self.current, self.behavior = self.plan[ctx.row_id]
         cur = self.current
         assert cur is not None and ctx.row_id == cur.id, (
             f"handler of row {ctx.row_id} ran outside a delivery of it ({cur})"
@@ -866,7 +896,6 @@ class ModelMachine(RuleBasedStateMachine):
     def _deliver(self, msg: Msg, behavior: str) -> Outcome | None:
         """deliver() of a message, its outcome predicted from the state just before."""
         before = self.snap()
-        b = before.rows.get(msg.id)
         start = self.predict_start(before, msg)
         self.current, self.behavior, self.resuming = msg, behavior, False
         n_calls = len(self.calls)
@@ -880,8 +909,25 @@ class ModelMachine(RuleBasedStateMachine):
             raise v.error from None
         finally:
             self.current = None
-        calls = self.calls[n_calls:]
-        after = self.snap()
+        self._judge(
+            msg, behavior, start, before, self.snap(), self.calls[n_calls:], outcome, crashed
+        )
+        return outcome
+
+    def _judge(
+        self,
+        msg: Msg,
+        behavior: str,
+        start: str | None,
+        before: Snapshot,
+        after: Snapshot,
+        calls: list[Call],
+        outcome: Outcome | None,
+        crashed: bool,
+    ) -> None:
+        """One row's delivery against what the state before it predicted (``start``), from
+        its handler calls and the state after."""
+        b = before.rows.get(msg.id)
         a = after.rows.get(msg.id)
         assert len(calls) <= 1, f"one delivery ran {len(calls)} handlers"
         assert outcome is not Outcome.LOST, "a synchronous delivery lost its own claim"
@@ -901,7 +947,7 @@ class ModelMachine(RuleBasedStateMachine):
             else:
                 assert a == b, f"{msg}: a stale delivery changed its row:\n{b}\n{a}"
                 assert (msg.id in before.requests) == (msg.id in after.requests)
-            return outcome
+            return
         assert b is not None
         if start == "start" and msg.id in before.requests:
             assert outcome is Outcome.CANCELLED and not calls, (outcome, calls)
@@ -909,7 +955,7 @@ class ModelMachine(RuleBasedStateMachine):
             assert calls and calls[0].behavior == "crash"
             assert a is not None and a.token == msg.token and a.started, a
             self.unresolved[msg.id] = msg.token
-            return None
+            return
         assert outcome is not None
         if outcome is not Outcome.CANCELLED or calls:
             assert calls, f"{msg}: outcome {outcome} without running the handler"
@@ -936,7 +982,103 @@ class ModelMachine(RuleBasedStateMachine):
         if self.capped(msg):
             left = self.slot_left(after, msg)
             assert left is None, f"{msg}: settled, its slot is still there ({left} s)"
-        return outcome
+
+    # -- batched messages -----------------------------------------------------------------
+
+    @rule(
+        family=st.sampled_from((*["focus"] * 4, *FAMILY_NAMES)),
+        size=st.integers(2, 4),
+        acts=st.lists(st.sampled_from((*BEHAVIORS, "ok", "ok")), min_size=4, max_size=4),
+        hold=st.booleans(),
+    )
+    def claim_packed(self, family: str, size: int, acts: list[str], hold: bool) -> None:
+        """A claim whose rows go out ``size`` to a message, as the claimer packs a backlog
+        (policy.rows_per_message); a worker takes the first message at once (``acts``: what
+        each row's handler does) unless ``hold``, and the rest wait in the broker."""
+        msgs = self._claim(self.focus if family == "focus" else family)
+        boxes = [msgs[k : k + size] for k in range(0, len(msgs), size)]
+        if boxes and not hold:
+            self._deliver_box(boxes.pop(0), acts)
+        self.boxes += boxes
+
+    @precondition(lambda self: bool(self.boxes))
+    @rule(
+        i=st.integers(0, 7),
+        acts=st.lists(st.sampled_from((*BEHAVIORS, "ok", "ok")), min_size=4, max_size=4),
+    )
+    def work_box(self, i: int, acts: list[str]) -> None:
+        """A worker takes the i-th waiting batched message."""
+        self._deliver_box(self.boxes.pop(i % len(self.boxes)), acts)
+
+    def _deliver_box(self, msgs: list[Msg], acts: list[str]) -> None:
+        """deliver_batch() of one message of several rows, as a worker runs it (successes
+        settled in one deferred statement at its end). A handler that kills the worker takes
+        the process with it: the successes not yet settled stay started and run again with
+        maybe_applied, the rows after it never began (unchanged), and the broker redelivers
+        the whole message (acks_late, reject_on_worker_lost)."""
+        before = self.snap()
+        starts = {m.id: self.predict_start(before, m) for m in msgs}
+        self.plan = {m.id: (m, acts[k % len(acts)]) for k, m in enumerate(msgs)}
+        results: dict[int, Outcome] = {}
+        delivery = self.d.delivery
+        one_row = delivery.deliver
+
+        def seen(row_id: int, token: UUID, **kw: Any) -> Any:
+            res = one_row(row_id, token, **kw)
+            results[row_id] = res.outcome
+            return res
+
+        n_calls = self.batch_from = len(self.calls)
+        crashed = False
+        delivery.deliver = seen  # type: ignore[method-assign]  # observed, not replaced
+        try:
+            pairs = [(m.id, m.token) for m in msgs]
+            delivery.deliver_batch(pairs, family_hint=msgs[0].family, defer=True)
+        except WorkerDied:
+            crashed = True
+            delivery.deferred._pending.clear()  # the process died, its deferred settles too
+        except Violation as v:
+            raise v.error from None
+        finally:
+            del delivery.deliver
+            self.plan, self.current = {}, None
+        calls = self.calls[n_calls:]
+        after = self.snap()
+        ran = [c.row_id for c in calls]
+        assert ran == [m.id for m in msgs if m.id in ran] and len(set(ran)) == len(ran), (
+            f"a batch of {[m.id for m in msgs]} ran handlers out of order: {ran}"
+        )
+        last = len(msgs) - 1
+        if crashed:
+            assert calls and calls[-1].behavior == "crash", calls
+            last = [m.id for m in msgs].index(calls[-1].row_id)
+            for m in msgs[last + 1 :]:  # never began: a kill marks only the rows it started
+                assert after.rows.get(m.id) == before.rows.get(m.id), (
+                    f"{m}: after a kill earlier in its batch, its row changed:\n"
+                    f"{before.rows.get(m.id)}\n{after.rows.get(m.id)}"
+                )
+        for k, m in enumerate(msgs[: last + 1]):
+            behavior = acts[k % len(acts)]
+            mine = [c for c in calls if c.row_id == m.id]
+            outcome = results.get(m.id)
+            a = after.rows.get(m.id)
+            if crashed and k == last:
+                self._judge(m, behavior, starts[m.id], before, after, mine, None, True)
+            elif (
+                crashed
+                and outcome is Outcome.DELIVERED
+                and not FAMILIES[m.family].ordered
+                and m.id not in before.requests
+            ):
+                # its handler returned, its settle was deferred and died with the worker
+                assert mine and mine[0].returned, mine
+                assert a is not None and a.token == m.token and a.started, a
+                self.unresolved[m.id] = m.token
+            else:
+                self._judge(m, behavior, starts[m.id], before, after, mine, outcome, False)
+        self.spent += msgs
+        if crashed:
+            self.boxes.append(msgs)
 
     @precondition(lambda self: bool(self.inbox or self.spent or self.stalls))
     @rule(fate=st.sampled_from(WORK), i=st.integers(0, 7))
@@ -1203,6 +1345,9 @@ class ModelMachine(RuleBasedStateMachine):
             self._resume(att, "ok")
             self.check(self.snap())
         self.stalls.clear()
+        while self.boxes:  # the batched messages still waiting are taken, every row succeeding
+            self._deliver_box(self.boxes.pop(0), ["ok"])
+            self.check(self.snap())
         snap = self.snap()
         backlog = Counter((r.family, r.actor) for r in snap.rows.values() if r.live)
         passes = max(backlog.values(), default=0) + 3
