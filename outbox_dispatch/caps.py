@@ -126,17 +126,13 @@ class Caps:
         """One round trip for every slot of a claim; raises CapsIncomplete after a data loss."""
         if not slots:
             return []
-        client = self.client
         ms = int(lease * 1000)
+        calls = [
+            ([self.key(s.family, s.actor, s.scope), self.sentinel], [str(s.token), s.cap, ms])
+            for s in slots
+        ]
         try:
-            with client.pipeline(transaction=False) as pipe:
-                for s in slots:
-                    self._scripts["acquire"](
-                        keys=[self.key(s.family, s.actor, s.scope), self.sentinel],
-                        args=[str(s.token), s.cap, ms],
-                        client=pipe,
-                    )
-                results = [int(r) for r in pipe.execute()]
+            results = [int(r) for r in self._pipelined("acquire", calls)]
         except redis.RedisError as exc:
             raise CapsUnavailable(
                 f"cap acquire failed: Redis at {mask_dsn(self.redis_url)} answered {_why(exc)}; "
@@ -173,15 +169,12 @@ class Caps:
         if not slots:
             return []
         ms = int(lease * 1000)
+        calls = [
+            ([self.key(s.family, s.actor, s.scope), self.sentinel], [str(s.token), ms])
+            for s in slots
+        ]
         try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for s in slots:
-                    self._scripts["renew"](
-                        keys=[self.key(s.family, s.actor, s.scope), self.sentinel],
-                        args=[str(s.token), ms],
-                        client=pipe,
-                    )
-                return [int(r) for r in pipe.execute()]
+            return [int(r) for r in self._pipelined("renew", calls)]
         except redis.RedisError as exc:
             raise CapsUnavailable(f"cap renew failed: {_why(exc)}") from exc
 
@@ -234,15 +227,15 @@ class Caps:
         families whose claimer of ``database`` should be woken."""
         if not slots:
             return set()
+        calls = [
+            (
+                self._release_keys(s.family, s.actor, s.scope, database),
+                [str(s.token), s.actor, self.wake_ms],
+            )
+            for s in slots
+        ]
         try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for s in slots:
-                    self._scripts["release"](
-                        keys=self._release_keys(s.family, s.actor, s.scope, database),
-                        args=[str(s.token), s.actor, self.wake_ms],
-                        client=pipe,
-                    )
-                woken = pipe.execute()
+            woken = self._pipelined("release", calls)
         except redis.RedisError as exc:
             # The slots expire with their leases anyway; the cap stays safe, only slower.
             event(
@@ -299,6 +292,13 @@ class Caps:
             for actor, n in freed.items():
                 pipe.hincrby(self.freed_key(family, database), actor, n)
             pipe.execute()
+
+    def _pipelined(self, name: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """One script run per (keys, args), all in one round trip; raises redis.RedisError."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                self._scripts[name](keys=keys, args=args, client=pipe)
+            return list(pipe.execute())
 
     def _run_list(self, name: str, keys: list[str]) -> list[Any]:
         client = self.client
