@@ -1,15 +1,21 @@
-"""Deferred settles: delivered rows settled off the handler's critical path, in batches.
+"""Deferred settles: delivered rows settled off the handler's critical path.
 
-A worker's per-row cost is two Postgres round trips, begin and settle. Once a handler has
-succeeded, its settle changes nothing the worker needs before it takes the next message, so
-the worker hands it to this thread and moves on; the thread settles whatever gathered in one
-fenced statement (``settle_many``). A settle the statement refuses (a cancel request arrived,
-or the claim was lost) goes back to the one-row path, which records it as cancelled or lost.
+A worker's per-row cost is two Postgres round trips, start and settle. Once a handler has
+succeeded, its settle changes nothing the worker needs before it takes the next row, so the
+worker hands it here and moves on. The next delivery start in this process carries it: the
+statement that starts the next attempt first settles the row delivered before it (one row
+deleted, one kept as done; ``Store.start``), so that settle costs no round trip of its own,
+and it is flushed with the start, before the next handler runs. What no start carried within
+``WINDOW`` (the last row of a burst, low load, capped rows) this module's thread settles,
+several rows per fenced statement. A settle that is refused (a cancel request arrived, or the
+claim was lost) goes back to the one-row path, which records it as cancelled or lost.
 
-What this costs: a worker killed between a handler's success and the flush (milliseconds)
-leaves the row started, so it runs again after its lease with ``maybe_applied`` set, the same
-outcome as a kill just before the settle. A capped row's slot is given back after the
-statement that settled it committed, as on the one-row path. Ordered rows (their settle
+What this costs: a worker killed between a handler's success and the next start (or the
+thread's statement) leaves the row started, so it runs again after its lease with
+``maybe_applied`` set, the same outcome as a kill just before the settle. Rows that hold a cap
+slot are not carried: a slot is given back right after the statement that settled its row
+committed, as on the one-row path, and a start would leave the next handler waiting for Redis
+(or the slot held past its row), so the thread settles them. Ordered rows (their settle
 promotes the actor's next row in the same transaction) and transactional handlers (their
 settle is their commit) are not deferred.
 """
@@ -21,6 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from uuid import UUID
 
 from .errors import OutboxError
 from .forksafe import ForkSafeLock
@@ -31,7 +38,22 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 
-WINDOW = 0.002  # seconds the thread waits for more settles after the first
+WINDOW = 0.002  # seconds the thread leaves a start to carry the settles before it settles them
+
+Pending = list[tuple[SettleKind, Started, bool]]  # (kind, row, whether it holds a cap slot)
+
+
+def by_kind(batch: Pending) -> dict[SettleKind, list[tuple[int, Started]]]:
+    """The rows of a batch per settle kind, as (id, row), in the order they were added."""
+    out: dict[SettleKind, list[tuple[int, Started]]] = {}
+    for kind, started, _slot in batch:
+        out.setdefault(kind, []).append((started.id, started))
+    return out
+
+
+def carried(batch: Pending) -> dict[SettleKind, tuple[int, UUID]]:
+    """What a start's statement settles: the (id, token) of each kind's row in ``batch``."""
+    return {kind: (s.id, s.token) for kind, s, _ in batch}
 
 
 class DeferredSettles:
@@ -44,47 +66,112 @@ class DeferredSettles:
         self.store = store
         self.refused = refused  # the one-row settle, for rows the batch statement skipped
         self.settled = settled  # after the commit: give back the rows' cap slots
-        self._pending: list[tuple[SettleKind, Started]] = []
+        self._pending: Pending = []
+        self._after: list[tuple[SettleKind, Started]] = []  # refused settles a start carried
+        self._first_add = 0.0
         self._lock = ForkSafeLock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
 
-    def add(self, kind: SettleKind, started: Started) -> None:
+    def add(self, kind: SettleKind, started: Started, slot: bool = False) -> None:
+        """A delivered row to settle; ``slot``: it holds a cap slot to give back afterwards."""
         with self._lock:
-            self._pending.append((kind, started))
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()  # a forked pool process starts its own thread
-                self._thread = threading.Thread(
-                    target=self._loop, name="outbox-settler", daemon=True
-                )
-                self._thread.start()
+            self._pending.append((kind, started, slot))
+            wake = len(self._pending) == 1
+            if wake:
+                self._first_add = time.monotonic()
+            self._ensure_thread()
+        if wake:
+            self._wake.set()
+
+    def take(self) -> Pending:
+        """Everything pending (the thread, a flush)."""
+        with self._lock:
+            batch, self._pending = self._pending, []
+        return batch
+
+    def take_for_start(self) -> Pending:
+        """What a start carries: the last pending row of each kind that holds no cap slot (a
+        start settles at most one row of each; a slot is given back right after the statement
+        that settled its row, here by the thread), the rest stays for the thread; see
+        ``landed`` and ``give_back``."""
+        with self._lock:
+            last = {kind: k for k, (kind, _s, slot) in enumerate(self._pending) if not slot}
+            picked = set(last.values())
+            batch = [p for k, p in enumerate(self._pending) if k in picked]
+            self._pending = [p for k, p in enumerate(self._pending) if k not in picked]
+        return batch
+
+    def give_back(self, batch: Pending) -> None:
+        """A start that failed before its transaction committed: the rows are pending again."""
+        if not batch:
+            return
+        with self._lock:
+            self._pending[:0] = batch
+            self._ensure_thread()
+        self._wake.set()
+
+    def landed(self, batch: Pending, settled: set[int]) -> None:
+        """A start's statement settled ``settled`` of ``batch`` (rows without a cap slot): the
+        refused ones go to the one-row path, by the thread."""
+        refused = [(kind, s) for kind, s, _ in batch if s.id not in settled]
+        if not refused:
+            return
+        with self._lock:
+            self._after += refused
+            self._ensure_thread()
         self._wake.set()
 
     def flush(self) -> None:
-        """Settle everything pending now (worker shutdown, tests)."""
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if batch:
-            self._settle(batch)
+        """Settle everything pending now (the end of a batched message, worker shutdown,
+        tests), and finish what the starts that carried settles left to do."""
+        self._finish(*self._settle(self.take()))
+
+    def _ensure_thread(self) -> None:
+        # called with the lock held; a forked pool process starts its own thread
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, name="outbox-settler", daemon=True)
+            self._thread.start()
 
     def _loop(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
-            time.sleep(WINDOW)
             try:
-                self.flush()
+                # a start that comes within the window carries a row; what is left then (rows
+                # with cap slots, the last row of a burst) is settled here, several per statement
+                while True:
+                    with self._lock:
+                        wait = self._first_add + WINDOW - time.monotonic() if self._pending else 0
+                    if wait <= 0:
+                        break
+                    time.sleep(wait)
+                self._finish(*self._settle(self.take()))
             except Exception as exc:  # never let the thread die: the next rows need it
                 event(log, logging.ERROR, "settle_batch_failed", repr(exc))
 
-    def _settle(self, batch: list[tuple[SettleKind, Started]]) -> None:
-        by_kind: dict[SettleKind, list[Started]] = {}
-        for kind, started in batch:
-            by_kind.setdefault(kind, []).append(started)
-        for kind, rows in by_kind.items():
+    def _finish(self, done: list[Started], refused: list[tuple[SettleKind, Started]]) -> None:
+        """After settles committed: give back the cap slots of the rows settled (one round
+        trip), then record the refused settles (also those a start carried) on the one-row
+        path."""
+        with self._lock:
+            refused, self._after = [*refused, *self._after], []
+        if done:
+            self.settled(done)
+        for kind, s in refused:
+            self.refused(kind, s)
+
+    def _settle(self, batch: Pending) -> tuple[list[Started], list[tuple[SettleKind, Started]]]:
+        """Settle a batch, one statement per kind; returns the settled rows that hold a cap
+        slot, and the refused ones."""
+        done: list[Started] = []
+        refused: list[tuple[SettleKind, Started]] = []
+        slots = {s.id for _, s, slot in batch if slot}
+        for kind, rows in by_kind(batch).items():
             try:
-                settled = self.store.settle_many(kind, [(s.id, s.token) for s in rows])
+                settled = self.store.settle_many(kind, [(i, s.token) for i, s in rows])
             except OutboxError as exc:
                 # Postgres unreachable: the rows stay started and run again after their
                 # lease with maybe_applied, as after a worker killed before its settle
@@ -96,7 +183,6 @@ class DeferredSettles:
                     "their lease with maybe_applied",
                 )
                 continue
-            self.settled([s for s in rows if s.id in settled])
-            for s in rows:
-                if s.id not in settled:
-                    self.refused(kind, s)
+            done += [s for i, s in rows if i in settled and i in slots]
+            refused += [(kind, s) for i, s in rows if i not in settled]
+        return done, refused

@@ -14,7 +14,7 @@ from uuid import UUID
 
 from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
-from .deferred_settles import DeferredSettles
+from .deferred_settles import DeferredSettles, carried
 from .errors import DatabaseUnavailable, OutboxError, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
@@ -298,7 +298,7 @@ class Delivery:
         slot: CheckedSlot | None = None,
     ) -> Result:
         """``slot``: the batch's check of this row's cap slot, used if still fresh."""
-        started = self.store.begin(row_id, token, self._run_lease_for(family_hint))
+        started = self._start(row_id, token, family_hint)
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
@@ -330,11 +330,26 @@ class Delivery:
             tracing.finish(span, result.outcome.value, result.detail)
         return result
 
+    def _start(self, row_id: int, token: UUID, family_hint: str | None) -> Started | None:
+        """The delivery start, carrying the settles of the rows delivered before it in this
+        process (deferred_settles.py): one round trip, and they are settled before this row's
+        handler runs."""
+        pending = self.deferred.take_for_start()
+        try:
+            started, settled = self.store.start(
+                row_id, token, self._run_lease_for(family_hint), carried(pending)
+            )
+        except BaseException:
+            self.deferred.give_back(pending)
+            raise
+        self.deferred.landed(pending, settled)
+        return started
+
     def _run(
         self, started: Started, family: Family, fn: HandlerFn, running: Running, *, defer: bool
     ) -> Result:
-        fields = _fields(started)
-        event(log, logging.DEBUG, "handler_started", "running handler", **fields)
+        if log.isEnabledFor(logging.DEBUG):
+            event(log, logging.DEBUG, "handler_started", "running handler", **_fields(started))
         t0 = time.perf_counter()
         try:
             fn(running.ctx, started.payload)
@@ -350,19 +365,21 @@ class Delivery:
             # off the hot path: nothing waits on this settle but the row's cap slot, which is
             # given back once the settle committed (no ordered line moves on it); a row
             # cancelled while it ran settles now, so that its outcome says so
-            self.deferred.add(settle.kind, started)
-            event(
-                log,
-                logging.INFO,
-                "delivered",
-                f"handler ok in {elapsed * 1000:.1f} ms (settle batched)",
-                **_fields(started),
-            )
+            self.deferred.add(settle.kind, started, self._slot_of(started) is not None)
+            if log.isEnabledFor(logging.INFO):
+                event(
+                    log,
+                    logging.INFO,
+                    "delivered",
+                    f"handler ok in {elapsed * 1000:.1f} ms (settle batched)",
+                    **_fields(started),
+                )
             return Result(Outcome.DELIVERED, started.id)
         return self._finish(started, family, settle, elapsed)
 
     def _release_settled(self, rows: list[Started]) -> None:
-        """The cap slots of rows the deferred settles just settled, in one round trip."""
+        """The cap slots of rows the deferred settles just settled (the thread, or the flush at
+        a batched message's end), in one round trip."""
         if self.caps is None or not rows:
             return
         slots = [slot for started in rows if (slot := self._slot_of(started)) is not None]

@@ -380,27 +380,35 @@ class Store:
 
     def begin(self, row_id: int, token: UUID, run_lease: float) -> Started | None:
         """Start an attempt; from now its lease is ``run_lease`` (the heartbeat timeout)."""
+        return self.start(row_id, token, run_lease)[0]
+
+    def start(
+        self,
+        row_id: int,
+        token: UUID,
+        run_lease: float,
+        carry: Mapping[SettleKind, tuple[int, UUID]] | None = None,
+    ) -> tuple[Started | None, set[int]]:
+        """Start an attempt, and settle in the same statement the delivered rows in ``carry``
+        (at most one per kind, ``delete`` or ``done``: deferred settles of rows delivered just
+        before): one round trip for both, and the start's WAL flush makes them durable too.
+        Returns the started row (None: the claim no longer holds) and the ids settled."""
+        deleted = (carry or {}).get(SettleKind.DELETE, _NO_ROW)
+        done = (carry or {}).get(SettleKind.DONE, _NO_ROW)
+        params = {
+            "id": row_id,
+            "token": token,
+            "run_lease": run_lease,
+            "deleted": deleted[0],
+            "deleted_token": deleted[1],
+            "done": done[0],
+            "done_token": done[1],
+        }
         with translated("delivery start"), self._starting() as conn:
-            row = conn.execute(
-                self.q["deliver_begin"], {"id": row_id, "token": token, "run_lease": run_lease}
-            ).fetchone()
-        if row is None:
-            return None
-        family, command, actor, payload, attempts, maybe_applied, dedupe_key, cancel = row[:8]
-        return Started(
-            row_id,
-            token,
-            family,
-            command,
-            actor,
-            payload,
-            int(attempts),
-            bool(maybe_applied),
-            dedupe_key,
-            bool(cancel),
-            row[8],
-            row[9],
-        )
+            row = conn.execute(self.q["deliver_begin"], params).fetchone()
+        assert row is not None  # a left join of one row: always one row
+        settled = {int(i) for i in row[10:12] if i is not None}
+        return _started(row_id, token, row if row[0] is not None else None), settled
 
     def batch_actors(self, ids: Sequence[int]) -> list[tuple[int, str, str | None]]:
         """(id, command, actor) of a batched message's rows that have an actor."""
@@ -851,3 +859,27 @@ def _claim_result(family: str, rows: Sequence[Sequence[Any]], limit: int) -> Cla
             claimed.append(Claimed(int(rid), token, command, actor, int(attempts)))
     claimed.sort(key=lambda c: c.id)
     return ClaimResult(family, claimed, parked, limit, 0, tuple(parked_actors))
+
+
+_NO_ROW = (0, UUID(int=0))  # ids start at 1: a carried settle of "no row" matches nothing
+
+
+def _started(row_id: int, token: UUID, row: Sequence[Any] | None) -> Started | None:
+    """The row a delivery start returned (deliver_begin's columns), None if it refused."""
+    if row is None:
+        return None
+    family, command, actor, payload, attempts, maybe_applied, dedupe_key, cancel = row[:8]
+    return Started(
+        row_id,
+        token,
+        family,
+        command,
+        actor,
+        payload,
+        int(attempts),
+        bool(maybe_applied),
+        dedupe_key,
+        bool(cancel),
+        row[8],
+        row[9],
+    )

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 
 from outbox_dispatch import Context, Dispatcher, Message, Outcome
 from outbox_dispatch.wiring import DELIVER_TASK
@@ -256,19 +257,25 @@ def test_a_capped_batch_checks_its_slots_in_one_round_trip_and_still_hands_back_
 
 
 def test_a_settled_capped_batch_gives_its_slots_back_in_one_round_trip(
-    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The deferred settles give back the cap slots of the rows one statement settled in one
-    Redis round trip, not one per row; the freed slots let the actor's waiting row in."""
+    """A batched message's capped successes are settled together (a start does not carry a row
+    that holds a cap slot) and their slots go back in one Redis round trip, not one per row;
+    the freed slots let an actor's waiting row in."""
     caps = dispatcher.caps
     assert caps is not None
     cmd = commands(family="cappedbatch")
-    actor = f"r{time.monotonic_ns()}"
+    actors = [f"r{time.monotonic_ns()}", f"s{time.monotonic_ns()}"]
     with psycopg.connect(database_url) as conn, conn.transaction():
-        ids = dispatcher.enqueue_many(conn, [Message(cmd, {}, actor=actor)] * 3)
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {}, actor=a) for a in actors * 2])
+        waiting = dispatcher.enqueue(conn, cmd, {}, actor=actors[0])
     family = dispatcher.families["cappedbatch"]
     claimed = [c for c in dispatcher.claimer.claim_family(family).claimed if c.id in ids]
-    assert len(claimed) == 2  # cap 2: the third row waits
+    assert len(claimed) == 4  # cap 2 per actor: the fifth row waits
     calls: list[int] = []
     statements: list[int] = []
     real, settle_many = caps.release_settled, dispatcher.store.settle_many
@@ -287,20 +294,22 @@ def test_a_settled_capped_batch_gives_its_slots_back_in_one_round_trip(
 
     caps.release_settled = release_settled  # type: ignore[method-assign]
     dispatcher.store.settle_many = counted_settle_many  # type: ignore[method-assign]
+    # the thread leaves them to the batch's end
+    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 5.0)
     try:
         results = dispatcher.delivery.deliver_batch(
             [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True
         )
     finally:
         del caps.release_settled, dispatcher.store.settle_many
-    assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.DELIVERED]
-    # one release round trip per settle statement (the thread may settle the first row alone
-    # before the second returns), never one per row
-    assert calls == statements and sum(calls) == 2
-    assert caps.holders("cappedbatch", actor) == []
+    assert [r.outcome for r in results] == [Outcome.DELIVERED] * 4
+    assert statements == [4]  # one statement at the message's end
+    assert calls == [4]  # every slot back in one round trip
+    for actor in actors:
+        assert caps.holders("cappedbatch", actor) == []
     # the waiting row gets a freed slot at the next claim
     deadline = time.monotonic() + 10
-    while count_rows(database_url, schema, f"id = {ids[2]} AND claim_token IS NULL"):
+    while count_rows(database_url, schema, f"id = {waiting} AND claim_token IS NULL"):
         assert time.monotonic() < deadline, "the waiting row never got a freed slot"
         dispatcher.claimer.claim_family(family)
         time.sleep(0.05)

@@ -229,14 +229,17 @@ def _claim(dispatcher: Dispatcher, family: str) -> list[Any]:
     return dispatcher.claimer.claim_family(dispatcher.families[family]).claimed
 
 
-def test_deferred_settles_are_batched_and_fenced(
+def test_deferred_settles_ride_on_the_next_start_and_stay_fenced(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
     database_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A worker's successes settle in the background, several rows per statement; a row
-    whose cancel was requested while its handler ran is still recorded as cancelled."""
+    """A worker's successes cost no round trip of their own: each is settled by the statement
+    that starts the next row in the same process; the last, which no start carried, settles
+    in the background. A row whose cancel was requested while its handler ran is still
+    recorded as cancelled: the next start's fenced settle refuses it, and the one-row path
+    records why."""
     schema = dispatcher.schema
     cmd = commands(family="quick")
     cancel_me: dict[str, int] = {}
@@ -248,8 +251,8 @@ def test_deferred_settles_are_batched_and_fenced(
         cancel_me["id"] = ctx.row_id
 
     regretful = commands(family="quick", fn=asks_to_cancel_itself)
-    ids = [_enqueue(dispatcher, database_url, cmd, {"n": i}) for i in range(6)]
     late = _enqueue(dispatcher, database_url, regretful)
+    ids = [_enqueue(dispatcher, database_url, cmd, {"n": i}) for i in range(6)]
     statements: list[int] = []
     settle_many = dispatcher.store.settle_many
 
@@ -258,17 +261,22 @@ def test_deferred_settles_are_batched_and_fenced(
         return settle_many(kind, pairs)
 
     dispatcher.store.settle_many = counting  # type: ignore[method-assign]
-    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 0.3)  # all seven gather
+    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 0.3)  # the thread waits
     try:
-        for c in _claim(dispatcher, "quick"):
+        claimed = _claim(dispatcher, "quick")
+        assert [c.id for c in claimed] == [late, *ids]
+        for c in claimed:
             result = dispatcher.delivery.deliver(c.id, c.token, family_hint="quick", defer=True)
             assert result.outcome is Outcome.DELIVERED
+        # the first five were settled by the starts of the rows after them, before the
+        # thread's turn; the one whose cancel was asked and the last are left
+        assert count_rows(database_url, schema) == 2
+        assert statements == []
         deadline = time.monotonic() + 5
-        while count_rows(database_url, schema, "cancelled_at IS NULL") > 0:
+        while count_rows(database_url, schema) > 1:
             assert time.monotonic() < deadline, "deferred settles never landed"
             time.sleep(0.01)
     finally:
         del dispatcher.store.settle_many
-    assert count_rows(database_url, schema) == 1  # the six are deleted
     assert _row(database_url, schema, late)["cancel_reason"] == "changed my mind"
-    assert statements == [len(ids) + 1]  # one statement for the seven
+    assert statements == [1]  # the last row, settled by the thread

@@ -11,11 +11,12 @@ capped, ordered with parked rows blocking, ordered with parked rows passing) thr
   dies in it), started and stalled, or lost; a consumed or lost message arriving late; a
   stalled attempt's heartbeat, its worker coming back to settle, or its message redelivered;
 - ``claim_packed`` / ``work_box``: a claim whose rows go out several to a message, as the
-  claimer packs a backlog; a worker runs the message with ``deliver_batch`` (its successes
-  settled by the deferred settles at the message's end), each row with its own behaviour; a
-  handler that kills the worker loses the successes not yet settled (they stay started, and
-  run again with maybe_applied), leaves the rows after it untouched, and the broker
-  redelivers the whole message;
+  claimer packs a backlog; a worker runs the message with ``deliver_batch`` (each success
+  settled by the statement that starts the next row, a capped one by the deferred settles at
+  the message's end), each row with its own behaviour; a handler that kills the worker loses
+  the capped successes not yet settled (they stay started, and run again with
+  maybe_applied), leaves the rows after it untouched, and the broker redelivers the whole
+  message;
 - ``cancel``: by id (often of a row whose claim is out) or by actor, committed;
 - ``world``: the clock jumps (Postgres by ``store.clock_offset``, Redis slots' scores by the
   same), Redis loses every key, a caps rebuild, maintenance, parked rows retried or purged.
@@ -1011,11 +1012,13 @@ class ModelMachine(RuleBasedStateMachine):
         self._deliver_box(self.boxes.pop(i % len(self.boxes)), acts)
 
     def _deliver_box(self, msgs: list[Msg], acts: list[str]) -> None:
-        """deliver_batch() of one message of several rows, as a worker runs it (successes
-        settled in one deferred statement at its end). A handler that kills the worker takes
-        the process with it: the successes not yet settled stay started and run again with
-        maybe_applied, the rows after it never began (unchanged), and the broker redelivers
-        the whole message (acks_late, reject_on_worker_lost)."""
+        """deliver_batch() of one message of several rows, as a worker runs it (each success
+        settled by the next row's start, capped ones in one deferred statement at its end). A
+        handler that kills the worker takes the process with it: the capped successes not yet
+        settled stay started and run again with maybe_applied (the others were settled by the
+        starts after them, the last by the start of the row that killed it), the rows after
+        it never began (unchanged), and the broker redelivers the whole message (acks_late,
+        reject_on_worker_lost)."""
         before = self.snap()
         starts = {m.id: self.predict_start(before, m) for m in msgs}
         self.plan = {m.id: (m, acts[k % len(acts)]) for k, m in enumerate(msgs)}
@@ -1037,6 +1040,7 @@ class ModelMachine(RuleBasedStateMachine):
         except WorkerDied:
             crashed = True
             delivery.deferred._pending.clear()  # the process died, its deferred settles too
+            delivery.deferred._after.clear()
         except Violation as v:
             raise v.error from None
         finally:
@@ -1069,8 +1073,11 @@ class ModelMachine(RuleBasedStateMachine):
                 and outcome is Outcome.DELIVERED
                 and not FAMILIES[m.family].ordered
                 and m.id not in before.requests
+                and FAMILIES[m.family].per_actor is not None
+                and m.actor is not None
             ):
-                # its handler returned, its settle was deferred and died with the worker
+                # its handler returned; a start does not carry a capped row's settle: it was
+                # deferred to the message's end and died with the worker
                 assert mine and mine[0].returned, mine
                 assert a is not None and a.token == m.token and a.started, a
                 self.unresolved[m.id] = m.token
