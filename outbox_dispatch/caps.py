@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 SCRIPTS = {  # lua/: one script per step a slot goes through
     "acquire": "caps_acquire.lua",
     "renew": "caps_renew.lua",
+    "bound": "caps_bound.lua",
     "release": "caps_release.lua",
     "restore": "caps_restore.lua",
     "take_freed": "caps_take_freed.lua",
@@ -163,9 +164,10 @@ class Caps:
             self.renew_client if heartbeat else None,
         )
 
-    def renew_many(self, slots: Sequence[Slot], lease: float) -> list[int]:
-        """``renew`` for several slots in one round trip (a batched message's rows): each 1
-        renewed, 0 lapsed, -1 semaphores being rebuilt. ``Slot.cap`` is not used."""
+    def bound_many(self, slots: Sequence[Slot], lease: float) -> list[int]:
+        """Before a batched message's rows start (one round trip): bound each held slot to end
+        within ``lease`` without extending it (caps_bound.lua); each the ms it has left, 0
+        lapsed, -1 semaphores being rebuilt. ``Slot.cap`` is not used."""
         if not slots:
             return []
         ms = int(lease * 1000)
@@ -174,9 +176,9 @@ class Caps:
             for s in slots
         ]
         try:
-            return [int(r) for r in self._pipelined("renew", calls)]
+            return [int(r) for r in self._pipelined("bound", calls)]
         except redis.RedisError as exc:
-            raise CapsUnavailable(f"cap renew failed: {_why(exc)}") from exc
+            raise CapsUnavailable(f"cap slot check failed: {_why(exc)}") from exc
 
     def freed_key(self, family: str, database: str | None = None) -> str:
         """Freed slots for one database's claimer of the family (None: the first database)."""
@@ -294,11 +296,34 @@ class Caps:
             pipe.execute()
 
     def _pipelined(self, name: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """One script run per (keys, args), all in one round trip; raises redis.RedisError."""
-        with self.client.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                self._scripts[name](keys=keys, args=args, client=pipe)
-            return list(pipe.execute())
+        """One script run per (keys, args), all in one round trip; raises redis.RedisError.
+
+        EVALSHA itself, not redis-py's script objects, which check that the script is loaded
+        (SCRIPT EXISTS, a round trip of its own) before every pipeline: a run that finds it
+        missing (Redis restarted) loads it and runs again; nothing ran for such a call."""
+        client = self.client  # connects and registers the scripts on first use
+        script = self._scripts[name]
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            with client.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    keys, args = calls[i]
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                answers = pipe.execute(raise_on_error=False)
+            missing = []
+            for i, answer in zip(todo, answers, strict=True):
+                if isinstance(answer, redis.exceptions.NoScriptError) and attempt == 0:
+                    missing.append(i)
+                elif isinstance(answer, Exception):
+                    raise answer
+                else:
+                    results[i] = answer
+            if not missing:
+                break
+            client.script_load(script.script)
+            todo = missing
+        return results
 
     def _run_list(self, name: str, keys: list[str]) -> list[Any]:
         client = self.client

@@ -6,18 +6,19 @@ worker hands it here and moves on. The next delivery start in this process carri
 statement that starts the next attempt first settles the row delivered before it (one row
 deleted, one kept as done; ``Store.start``), so that settle costs no round trip of its own,
 and it is flushed with the start, before the next handler runs. What no start carried within
-``WINDOW`` (the last row of a burst, low load, capped rows) this module's thread settles,
-several rows per fenced statement. A settle that is refused (a cancel request arrived, or the
-claim was lost) goes back to the one-row path, which records it as cancelled or lost.
+``WINDOW`` (the last row of a burst, low load) this module's thread settles, several rows per
+fenced statement; rows that hold a cap slot within ``SLOT_WINDOW``. A settle that is refused
+(a cancel request arrived, or the claim was lost) goes back to the one-row path, which
+records it as cancelled or lost.
 
 What this costs: a worker killed between a handler's success and the next start (or the
-thread's statement) leaves the row started, so it runs again after its lease with
-``maybe_applied`` set, the same outcome as a kill just before the settle. Rows that hold a cap
-slot are not carried: a slot is given back right after the statement that settled its row
-committed, as on the one-row path, and a start would leave the next handler waiting for Redis
-(or the slot held past its row), so the thread settles them. Ordered rows (their settle
-promotes the actor's next row in the same transaction) and transactional handlers (their
-settle is their commit) are not deferred.
+thread's statement, at most ``WINDOW`` later) leaves the row started, so it runs again after
+its lease with ``maybe_applied`` set, the same outcome as a kill just before the settle. Rows
+that hold a cap slot are not carried: a slot is given back right after the statement that
+settled its row committed, as on the one-row path, and a start would leave the next handler
+waiting for Redis (or the slot held past its row), so the thread settles them. Ordered rows
+(their settle promotes the actor's next row in the same transaction) and transactional
+handlers (their settle is their commit) are not deferred.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 
-WINDOW = 0.002  # seconds the thread leaves a start to carry the settles before it settles them
+# Seconds a delivered row may wait for the next start to carry its settle before the thread
+# settles it; a row with a cap slot waits less, as the slot goes back only after the settle.
+WINDOW = 0.02
+SLOT_WINDOW = 0.002
 
 Pending = list[tuple[SettleKind, Started, bool]]  # (kind, row, whether it holds a cap slot)
 
@@ -69,6 +73,7 @@ class DeferredSettles:
         self._pending: Pending = []
         self._after: list[tuple[SettleKind, Started]] = []  # refused settles a start carried
         self._first_add = 0.0
+        self._idle = False  # the thread waits for work (not sleeping until a row is due)
         self._lock = ForkSafeLock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -78,10 +83,9 @@ class DeferredSettles:
         """A delivered row to settle; ``slot``: it holds a cap slot to give back afterwards."""
         with self._lock:
             self._pending.append((kind, started, slot))
-            wake = len(self._pending) == 1
-            if wake:
+            if len(self._pending) == 1:
                 self._first_add = time.monotonic()
-            self._ensure_thread()
+            wake = self._rouse()
         if wake:
             self._wake.set()
 
@@ -97,7 +101,7 @@ class DeferredSettles:
         that settled its row, here by the thread), the rest stays for the thread; see
         ``landed`` and ``give_back``."""
         with self._lock:
-            last = {kind: k for k, (kind, _s, slot) in enumerate(self._pending) if not slot}
+            last = {kind: k for k, (kind, _s, _slot) in enumerate(self._pending)}
             picked = set(last.values())
             batch = [p for k, p in enumerate(self._pending) if k in picked]
             self._pending = [p for k, p in enumerate(self._pending) if k not in picked]
@@ -109,48 +113,71 @@ class DeferredSettles:
             return
         with self._lock:
             self._pending[:0] = batch
-            self._ensure_thread()
-        self._wake.set()
+            self._first_add = time.monotonic()
+            wake = self._rouse()
+        if wake:
+            self._wake.set()
 
     def landed(self, batch: Pending, settled: set[int]) -> None:
-        """A start's statement settled ``settled`` of ``batch`` (rows without a cap slot): the
-        refused ones go to the one-row path, by the thread."""
+        """A start's statement settled ``settled`` of ``batch``: the cap slots of those rows go
+        back now (before the next handler runs), the refused ones to the one-row path, by the
+        thread."""
+        done = [s for _, s, slot in batch if slot and s.id in settled]
+        if done:
+            self.settled(done)
         refused = [(kind, s) for kind, s, _ in batch if s.id not in settled]
         if not refused:
             return
         with self._lock:
             self._after += refused
-            self._ensure_thread()
-        self._wake.set()
+            wake = self._rouse()
+        if wake:
+            self._wake.set()
 
     def flush(self) -> None:
         """Settle everything pending now (the end of a batched message, worker shutdown,
         tests), and finish what the starts that carried settles left to do."""
         self._finish(*self._settle(self.take()))
 
-    def _ensure_thread(self) -> None:
-        # called with the lock held; a forked pool process starts its own thread
+    def _rouse(self) -> bool:
+        """Called with the lock held after adding work: whether the thread must be woken (it
+        waits for work; when it sleeps until a row is due, it finds the new work then)."""
         if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-            self._pid = os.getpid()
+            self._pid = os.getpid()  # a forked pool process starts its own thread
+            self._idle = False
             self._thread = threading.Thread(target=self._loop, name="outbox-settler", daemon=True)
             self._thread.start()
+            return True  # it starts by waiting to be woken
+        wake, self._idle = self._idle, False
+        return wake
 
     def _loop(self) -> None:
+        self._wake.wait()
         while True:
-            self._wake.wait()
-            self._wake.clear()
             try:
-                # a start that comes within the window carries a row; what is left then (rows
-                # with cap slots, the last row of a burst) is settled here, several per statement
-                while True:
-                    with self._lock:
-                        wait = self._first_add + WINDOW - time.monotonic() if self._pending else 0
-                    if wait <= 0:
-                        break
-                    time.sleep(wait)
-                self._finish(*self._settle(self.take()))
+                with self._lock:
+                    wait = self._wait()
+                    idle = wait is None and not self._after
+                    if idle:
+                        self._idle = True
+                        self._wake.clear()
+                if idle:
+                    self._wake.wait()
+                elif wait is not None and wait > 0:
+                    time.sleep(wait)  # a start may carry the row meanwhile
+                else:
+                    self._finish(*self._settle(self.take()))
             except Exception as exc:  # never let the thread die: the next rows need it
                 event(log, logging.ERROR, "settle_batch_failed", repr(exc))
+                time.sleep(WINDOW)
+
+    def _wait(self) -> float | None:
+        """Seconds until the oldest pending row is the thread's to settle (None: nothing is
+        pending); called with the lock held."""
+        if not self._pending:
+            return None
+        window = SLOT_WINDOW if any(slot for _, _, slot in self._pending) else WINDOW
+        return self._first_add + window - time.monotonic()
 
     def _finish(self, done: list[Started], refused: list[tuple[SettleKind, Started]]) -> None:
         """After settles committed: give back the cap slots of the rows settled (one round

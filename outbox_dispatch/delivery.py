@@ -40,6 +40,9 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 MAX_ERROR_LENGTH = 4000
+# A heartbeat renews a slot up to two ticks late and may wait RENEW_TIMEOUT for Redis: a slot
+# must have this much left past the heartbeat's first renewal to start on without renewing.
+SLOT_MARGIN = 2 * TICK + RENEW_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -101,15 +104,22 @@ def describe_error(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class CheckedSlot:
-    """A batched message's check of one row's cap slot (``Caps.renew``'s answer, and when)."""
+    """A batched message's check of one row's cap slot (``Caps.bound_many``): the ms it had
+    left (0: lapsed), and when."""
 
-    state: int
-    at: float  # time.monotonic() of the renewal
+    left: int
+    at: float  # time.monotonic() of the check
+
+    @property
+    def ends(self) -> float:
+        """When the slot runs out, on the monotonic clock."""
+        return self.at + self.left / 1000
 
     def fresh(self, family: Family) -> bool:
-        """Recent enough to start on: the slot was renewed for a whole heartbeat timeout, and
-        the row's own heartbeat renews it a third of one after its start."""
-        return time.monotonic() - self.at < family.heartbeat_timeout / 6
+        """Enough left to start on without a renewal of its own: the row's heartbeat renews
+        it a third of the heartbeat timeout after its start, and may take RENEW_TIMEOUT."""
+        left = self.ends - time.monotonic()
+        return self.left == 0 or left >= family.heartbeat_timeout / 3 + SLOT_MARGIN
 
 
 class Delivery:
@@ -213,10 +223,14 @@ class Delivery:
     def _check_slots(
         self, pairs: list[tuple[int, UUID]], family: Family | None
     ) -> dict[int, CheckedSlot]:
-        """The cap slots of a batched message's rows, renewed in one Redis round trip (after
-        one statement for their actors) instead of one round trip per row as each starts; a
-        row that starts soon after uses this answer (see CheckedSlot.fresh). Without an answer
-        (Redis or Postgres down) each row checks its own slot, as a lone row does."""
+        """The cap slots of a batched message's rows, checked in one Redis round trip (after
+        one statement for their actors) instead of one round trip per row as each starts, and
+        each bounded to end within the heartbeat timeout, as a renewal at its start would, but
+        never extended: a row whose start is then refused (its attempt started in a worker
+        that died) must not keep its slot past its own lease. A row that starts with enough
+        left uses this answer (see CheckedSlot.fresh); one that has not renews its own. Without
+        an answer (Redis or Postgres down, semaphores being rebuilt) each row checks its own
+        slot, as a lone row does."""
         if family is None or self.caps is None or len(pairs) < 2 or not self.is_capped(family):
             return {}
         tokens = dict(pairs)
@@ -230,12 +244,14 @@ class Delivery:
             if (slot := self._slot(family, command, actor, tokens[row_id])) is not None
         ]
         try:
-            states = self.caps.renew_many([s for _, s in slots], family.heartbeat_timeout)
+            left = self.caps.bound_many([s for _, s in slots], family.heartbeat_timeout)
         except CapsUnavailable:
             return {}
         at = time.monotonic()
         return {
-            row_id: CheckedSlot(state, at) for (row_id, _), state in zip(slots, states, strict=True)
+            row_id: CheckedSlot(ms, at)
+            for (row_id, _), ms in zip(slots, left, strict=True)
+            if ms >= 0
         }
 
     def _start_checked(self, started: Started, family: Family | None) -> Result:
@@ -280,7 +296,7 @@ class Delivery:
             ctx=ctx,
             token=started.token,
             run_lease=family.heartbeat_timeout,
-            renew_slot=self._slot_renewer(started, family, None if slot is None else slot.at),
+            renew_slot=self._slot_renewer(started, family, None if slot is None else slot.ends),
             next_at=time.monotonic() + family.heartbeat_timeout / 3,
             soft_deadline=soft,
             deadline=hard,
@@ -513,7 +529,7 @@ class Delivery:
         assert started.actor is not None
         try:
             state = (
-                slot.state
+                int(slot.left > 0)
                 if slot is not None
                 else self.caps.renew(
                     started.family,
@@ -547,7 +563,7 @@ class Delivery:
         return True
 
     def _slot_renewer(
-        self, started: Started, family: Family, renewed_at: float | None = None
+        self, started: Started, family: Family, ends: float | None = None
     ) -> Callable[[], SlotState] | None:
         """Renews the row's cap slot. While Redis cannot be reached the slot runs on until its
         last renewal's lease ends, and the row's lease is not renewed past it; a renewal
@@ -560,12 +576,13 @@ class Delivery:
         assert caps is not None
         assert actor is not None
         timeout = family.heartbeat_timeout
-        # The slot was renewed just before this runs (after the begin, or by the batch's check
-        # at ``renewed_at``, at most a sixth of the timeout ago). Renewals start every timeout/3
-        # (give or take a tick) and give up after RENEW_TIMEOUT, so a failure that leaves less
-        # than this margin is the last one before the slot's end.
-        until = [(time.monotonic() if renewed_at is None else renewed_at) + timeout]
-        margin = timeout / 3 + 2 * TICK + RENEW_TIMEOUT
+        # The slot was renewed for a whole timeout just before this runs (after the start), or
+        # the batch's check found it ``ends`` then, a third of the timeout and SLOT_MARGIN away
+        # at least. Renewals start every timeout/3 (give or take a tick) and give up after
+        # RENEW_TIMEOUT, so a failure that leaves less than this margin is the last one before
+        # the slot's end.
+        until = [time.monotonic() + timeout if ends is None else ends]
+        margin = timeout / 3 + SLOT_MARGIN
 
         def renew() -> SlotState:
             t0 = time.monotonic()

@@ -31,6 +31,7 @@ from .errors import (
     UnknownFamily,
 )
 from .handlers import HandlerFn, Registration, Registry
+from .handoff import LocalHandoff
 from .health import Breaker
 from .listener import SAFETY_INTERVAL, CommitListener
 from .logs import about_database, event, mask_dsn
@@ -99,6 +100,7 @@ class Dispatcher:
         consumers: int | None = None,
         task_family: str = "job",
         task_outside: str = "commit",
+        handoff: bool = True,
     ) -> None:
         urls = database_urls(database_url, databases)
         if claim_interval <= 0:
@@ -173,8 +175,13 @@ class Dispatcher:
         self._cron_task = wiring.register_periodic(app, wiring.CRON_TASK, self.run_cron)
         wiring.on_configured(app, self._apply_queues)
         self.listen = listen
+        # the leading listener's worker runs what it claims itself when it has room
+        self.handoff = LocalHandoff(self.publisher.send) if listen and handoff else None
+        self.publisher.local = self.handoff
         if listen:
             wiring.install_listener_step(app, self.commit_listeners)
+        if self.handoff is not None:
+            wiring.install_handoff_step(app, self.handoff)
         metrics.install_worker_server(app, self)
         for db in self.databases.values():
             wiring.on_worker_exit(db.delivery.deferred.flush)

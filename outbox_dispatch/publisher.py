@@ -18,7 +18,8 @@ import contextlib
 import json
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from celery import Celery, signals
 
@@ -37,11 +38,29 @@ def family_command(family: Family, command: str) -> str:
     return f"{family.name}:{command}"
 
 
+@dataclass(frozen=True)
+class Wire:
+    """One delivery message as the broker carries it: what ``apply_async`` would send."""
+
+    task_id: str
+    body: str  # JSON: [args, kwargs, embed]
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+
+
+class LocalSink(Protocol):
+    """Where a claim's messages may go instead of the broker (handoff.py): ``take`` keeps the
+    first messages it has room for and says how many."""
+
+    def take(self, queue: str, wires: Sequence[Wire]) -> int: ...
+
+
 class Publisher:
     def __init__(self, app: Celery, task: Any, name: Namer = family_command) -> None:
         self.app = app
         self.task = task
         self.name = name
+        self.local: LocalSink | None = None  # this worker's consumer (handoff.py), if any
 
     def publish(
         self,
@@ -51,9 +70,10 @@ class Publisher:
         size: int = 1,
         database: str | None = None,
     ) -> None:
-        """One message per row, or per ``size`` rows; one producer, one pipeline.
-        ``database``: the name the messages carry (None for the first database, whose
-        messages carry none; databases.py)."""
+        """One message per row, or per ``size`` rows; the first ones to this worker's own
+        consumer when it has room for them (handoff.py), the rest on one producer, one
+        pipeline. ``database``: the name the messages carry (None for the first database,
+        whose messages carry none; databases.py)."""
         messages: Outgoing = []
         step = max(1, size)
         head: tuple[Any, ...] = () if database is None else (database,)
@@ -67,12 +87,21 @@ class Publisher:
                 pairs = [[r.id, str(r.token)] for r in chunk]
                 options = batch_options(family, chunk, queue, self.name, database)
                 messages.append(((*head, pairs), options))
-        with self.app.producer_or_acquire() as producer, _batched(producer, len(messages)):
-            if self._needs_celery_path(queue):
+        if self._needs_celery_path(queue):
+            with self.app.producer_or_acquire() as producer, _batched(producer, len(messages)):
                 for args, options in messages:
                     self.task.apply_async(args, producer=producer, **options)
-            else:
-                self._send(producer, queue, messages)
+            return
+        wires = self.wires(queue, messages)
+        if self.local is not None:
+            wires = wires[self.local.take(queue, wires) :]
+        if wires:
+            self.send(queue, wires)
+
+    def send(self, queue: str, wires: Sequence[Wire]) -> None:
+        """Put messages on the broker: one producer, one pipeline."""
+        with self.app.producer_or_acquire() as producer, _batched(producer, len(wires)):
+            self._put(producer, queue, wires)
 
     def _needs_celery_path(self, queue: str) -> bool:
         """Publish signals have listeners, sent events are on, or the user routed our queue
@@ -85,10 +114,13 @@ class Publisher:
             or getattr(exchange, "type", "direct") != "direct"
         )
 
-    def _send(self, producer: Any, queue_name: str, messages: Outgoing) -> None:
+    def _send(self, producer: Any, queue: str, messages: Outgoing) -> None:
+        self._put(producer, queue, self.wires(queue, messages))
+
+    def wires(self, queue_name: str, messages: Outgoing) -> list[Wire]:
+        """The messages as the broker carries them. Celery builds one message per claim, the
+        template; each is a copy with its own task id, args and display fields."""
         amqp = self.app.amqp
-        conf = self.app.conf
-        queue = amqp.queues[queue_name]
         first_args, first_options = messages[0]
         template = amqp.create_task_message(
             "template",
@@ -101,10 +133,7 @@ class Publisher:
         )
         headers0, properties0, body0, _ = template
         embed = body0[2]
-        delivery_mode = getattr(queue.exchange, "delivery_mode", None) or (
-            conf.task_default_delivery_mode
-        )
-        declare: list[Any] | None = [queue]
+        out = []
         for args, options in messages:
             task_id = str(uuid.uuid4())
             headers = {**headers0, "id": task_id, "root_id": task_id}
@@ -113,8 +142,19 @@ class Publisher:
             # a batched family's rows vary in number; their limits come with each message
             headers["timelimit"] = [options.get("time_limit"), options.get("soft_time_limit")]
             body = json.dumps([list(args), {}, embed])
+            out.append(Wire(task_id, body, headers, {**properties0, "correlation_id": task_id}))
+        return out
+
+    def _put(self, producer: Any, queue_name: str, wires: Sequence[Wire]) -> None:
+        conf = self.app.conf
+        queue = self.app.amqp.queues[queue_name]
+        delivery_mode = getattr(queue.exchange, "delivery_mode", None) or (
+            conf.task_default_delivery_mode
+        )
+        declare: list[Any] | None = [queue]
+        for wire in wires:
             producer.publish(
-                body,
+                wire.body,
                 exchange="",  # direct to the queue, as Celery does for a direct exchange
                 routing_key=queue_name,
                 content_type="application/json",
@@ -124,8 +164,8 @@ class Publisher:
                 retry_policy=conf.task_publish_retry_policy,
                 delivery_mode=delivery_mode,
                 declare=declare,
-                headers=headers,
-                **{**properties0, "correlation_id": task_id},
+                headers=wire.headers,
+                **wire.properties,
             )
             declare = None  # declared once per claim, not per message
 

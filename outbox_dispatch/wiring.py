@@ -19,6 +19,7 @@ from .task_states import AttemptFailed, Parked, Report, TaskState, task_state
 
 if TYPE_CHECKING:
     from .delivery import Result
+    from .handoff import LocalHandoff
     from .listener import CommitListener
 
 DELIVER_TASK = "outbox.deliver"
@@ -254,3 +255,23 @@ def install_listener_step(app: Any, make: Callable[[], list[CommitListener]]) ->
                 listener.stop()
 
     app.steps["worker"].add(OutboxCommitListener)
+
+
+def install_handoff_step(app: Any, handoff: LocalHandoff) -> None:
+    """Attach the local hand-off (handoff.py) to each worker's Celery consumer while it runs:
+    after its task consumer starts (the strategies exist), detached before it stops."""
+    from celery import bootsteps
+
+    class OutboxLocalHandoff(bootsteps.StartStopStep):  # type: ignore[misc]
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def start(self, c: Any) -> None:
+            handoff.attach(c)
+
+        def stop(self, c: Any) -> None:
+            handoff.detach()
+
+        def shutdown(self, c: Any) -> None:
+            handoff.detach()
+
+    app.steps["consumer"].add(OutboxLocalHandoff)

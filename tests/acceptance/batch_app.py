@@ -1,5 +1,6 @@
 """A worker app whose handler kills its own pool process on one row of a batch (kill -9), for
-the mid-batch kill test."""
+the mid-batch kill tests (a message from the broker, and one handed off by the worker's own
+commit listener)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from typing import Any
 from outbox_dispatch import Context
 from tests.acceptance.envapp import SCHEMA, make_app
 
-app, dispatcher = make_app("acceptance-batch", claim_interval=0.3)
+# one consumer: a claim of 8 rows packs them 2 to a message
+app, dispatcher = make_app("acceptance-batch", claim_interval=0.3, consumers=1)
 dispatcher.family("batchkill", lease=10, heartbeat_timeout=1)
+dispatcher.family("handkill", lease=60, heartbeat_timeout=1)  # a lease no test waits for
 
 
 @dispatcher.handler("acc.batchkill", family="batchkill")
+@dispatcher.handler("acc.handkill", family="handkill")
 def batchkill(ctx: Context, payload: Any) -> None:
     with dispatcher.store.connection() as conn:
         conn.execute(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from subprocess import Popen
 
 import psycopg
@@ -82,3 +83,79 @@ def test_a_pool_process_killed_mid_batch_marks_only_the_row_it_was_running(
     for row_id in ids[:3]:  # done before the kill; a settle still in flight runs again, flagged
         first, *again = by_row[row_id]
         assert first == (1, False) and all(maybe for _, maybe in again)
+
+
+def _runs(url: str, schema: str) -> list[tuple[int, int, bool, float]]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            f"SELECT row_id, attempt, maybe_applied, extract(epoch FROM at)::float8"
+            f' FROM "{schema}".effects ORDER BY at'
+        ).fetchall()
+    return [(int(r), int(a), bool(m), float(t)) for r, a, m, t in rows]
+
+
+def test_a_handed_off_message_whose_pool_process_died_goes_to_the_broker(
+    clean_acc: dict[str, str], spawn: Callable[..., Popen[bytes]], tmp_path: Path
+) -> None:
+    """The worker's own commit listener claims a backlog and hands its first message to its
+    idle pool process (handoff.py); a handler kills that process mid-message. Celery rejects
+    the message for requeue (acks_late, reject_on_worker_lost), and the hand-off publishes it
+    to the broker: the row after the killed one runs at once, a first attempt, not after its
+    claim's 60 s lease; the killed row runs again after its 1 s run lease, maybe_applied."""
+    env = {**clean_acc, "OUTBOX_DISPATCH_APP": "tests.acceptance.batch_app:dispatcher"}
+    schema = env["OUTBOX_TEST_SCHEMA"]
+    url = env["OUTBOX_TEST_DATABASE_URL"]
+    app = Celery("producer", broker=env["OUTBOX_TEST_REDIS_URL"], set_as_current=False)
+    app.conf.broker_transport_options = {"global_keyprefix": env["OUTBOX_TEST_KEY_PREFIX"]}
+    producer = Dispatcher(app, database_url=url, schema=schema, listen=False)
+    producer.family("handkill", lease=60, heartbeat_timeout=1)
+    producer.declare("acc.handkill", family="handkill")
+    worker = spawn(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.acceptance.batch_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "1",
+            "--loglevel",
+            "INFO",
+        ],
+        env,
+        "worker",
+    )
+    try:
+        with psycopg.connect(url) as conn, conn.transaction():
+            [warm] = producer.enqueue_many(conn, [Message("acc.handkill", {"n": -1})])
+        deadline = time.monotonic() + 60
+        while not any(r[0] == warm for r in _runs(url, schema)):  # the worker is up, and idle
+            assert worker.poll() is None, "worker exited"
+            assert time.monotonic() < deadline, "the warm-up row was never delivered"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        with psycopg.connect(url) as conn, conn.transaction():
+            ids = producer.enqueue_many(
+                conn, [Message("acc.handkill", {"n": i, "kill": i == 0}) for i in range(8)]
+            )
+    finally:
+        producer.close()
+    deadline = time.monotonic() + 45
+    while True:
+        runs = [r for r in _runs(url, schema) if r[0] in ids]
+        if {r[0] for r in runs} == set(ids) and len(runs) == len(ids) + 1:
+            break
+        assert worker.poll() is None, "worker exited"
+        assert time.monotonic() < deadline, f"runs so far: {runs}"
+        time.sleep(0.2)
+    by_row: dict[int, list[tuple[int, bool, float]]] = {}
+    for row_id, attempt, maybe, at in runs:
+        by_row.setdefault(row_id, []).append((attempt, maybe, at))
+    killed, after = ids[0], ids[1]  # the first message, two rows, handed off
+    assert [(a, m) for a, m, _ in by_row[killed]] == [(1, False), (2, True)]
+    assert [(a, m) for a, m, _ in by_row[after]] == [(1, False)]
+    assert by_row[after][0][2] - by_row[killed][0][2] < 15  # not after the claim's lease
+    assert "handoff_republished" in (tmp_path / "worker.log").read_text(errors="replace")

@@ -212,7 +212,7 @@ def test_a_capped_family_batches_and_keeps_its_cap(
 def test_a_capped_batch_checks_its_slots_in_one_round_trip_and_still_hands_back_a_lapsed_one(
     dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
 ) -> None:
-    """A batched message of capped rows renews their cap slots together before the first
+    """A batched message of capped rows checks their cap slots together before the first
     starts, not one Redis round trip per row; a row whose slot lapsed meanwhile is still
     handed back (due again, uncounted) instead of running past its cap."""
     caps = dispatcher.caps
@@ -228,26 +228,26 @@ def test_a_capped_batch_checks_its_slots_in_one_round_trip_and_still_hands_back_
     redis_client = caps.client
     redis_client.zrem(caps.key("cappedbatch", actor), str(tokens[second]))
     calls: list[str] = []
-    one, many = caps.renew, caps.renew_many
+    one, many = caps.renew, caps.bound_many
 
     def renew(*args: Any, **kwargs: Any) -> int:
         calls.append("renew")
         return one(*args, **kwargs)
 
-    def renew_many(*args: Any, **kwargs: Any) -> list[int]:
-        calls.append("renew_many")
+    def bound_many(*args: Any, **kwargs: Any) -> list[int]:
+        calls.append("bound_many")
         return many(*args, **kwargs)
 
-    caps.renew, caps.renew_many = renew, renew_many  # type: ignore[method-assign]
+    caps.renew, caps.bound_many = renew, bound_many  # type: ignore[method-assign]
     try:
         results = dispatcher.delivery.deliver_batch(
             [(first, tokens[first]), (second, tokens[second])], family_hint="cappedbatch"
         )
     finally:
-        del caps.renew, caps.renew_many
+        del caps.renew, caps.bound_many
     assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.STALE]
     assert results[1].detail == "cap slot lapsed"  # begun, then handed back
-    assert calls == ["renew_many"]  # one round trip for the message, none per row
+    assert calls == ["bound_many"]  # one round trip for the message, none per row
     assert count_rows(database_url, schema, f"id = {first}") == 0
     # handed back uncounted: no lost attempt, nothing that may have applied (the freed slot of
     # the first row asks the session worker for a claim, which may take it again at once)
@@ -256,20 +256,68 @@ def test_a_capped_batch_checks_its_slots_in_one_round_trip_and_still_hands_back_
     )
 
 
-def test_a_settled_capped_batch_gives_its_slots_back_in_one_round_trip(
+class _WorkerDied(BaseException):
+    """A pool process killed inside a handler: nothing after it runs in that process."""
+
+
+def test_a_redelivered_batch_does_not_extend_the_slot_of_a_row_whose_worker_died(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """A batched message is redelivered after its worker died inside one of its rows: that
+    row's start is refused (the attempt started; its lease decides), and the batch's slot
+    check must leave its cap slot as that start left it, not extend it past the row's lease,
+    where it would keep the actor's cap taken after the row is due again (found by the model
+    test: a slot alive after its row's lease ran out)."""
+    caps = dispatcher.caps
+    assert caps is not None
+    actor = f"d{time.monotonic_ns()}"
+
+    def dies(ctx: Context, payload: Any) -> None:
+        if payload.get("dies"):
+            raise _WorkerDied()
+
+    cmd = commands(family="cappedbatch", fn=dies)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(
+            conn, [Message(cmd, {"dies": True}, actor=actor), Message(cmd, {}, actor=actor)]
+        )
+    claimed = dispatcher.claimer.claim_family(dispatcher.families["cappedbatch"]).claimed
+    pairs = [(c.id, c.token) for c in claimed if c.id in ids]
+    assert [i for i, _ in pairs] == ids
+    with contextlib.suppress(_WorkerDied):
+        dispatcher.delivery.deliver_batch(pairs, family_hint="cappedbatch", defer=True)
+    dispatcher.delivery.deferred.take()  # the process died with what it had not settled
+    key, dead = caps.key("cappedbatch", actor), str(pairs[0][1])
+    before = caps.client.zscore(key, dead)
+    assert before is not None  # its start renewed it for the heartbeat timeout
+    time.sleep(0.3)
+    results = dispatcher.delivery.deliver_batch(pairs, family_hint="cappedbatch", defer=True)
+    assert results[0].outcome is Outcome.STALE  # started before: its lease decides
+    assert results[1].outcome is Outcome.DELIVERED
+    assert caps.client.zscore(key, dead) == before  # not extended by the redelivery
+
+
+def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
     database_url: str,
     schema: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A batched message's capped successes are settled together (a start does not carry a row
-    that holds a cap slot) and their slots go back in one Redis round trip, not one per row;
-    the freed slots let an actor's waiting row in."""
+    """In a batched message of capped rows, each success is settled by the start of the row
+    after it and its cap slot goes back right then, before that row's handler runs: no slot
+    outlives its row, and an actor's next row never waits on a finished one. The last row is
+    settled at the message's end; the freed slots let an actor's waiting row in."""
     caps = dispatcher.caps
     assert caps is not None
-    cmd = commands(family="cappedbatch")
     actors = [f"r{time.monotonic_ns()}", f"s{time.monotonic_ns()}"]
+    seen: list[tuple[int, int]] = []  # (rows of the message left, slots held) at each start
+
+    def look(ctx: Context, payload: Any) -> None:
+        left = count_rows(database_url, schema, f"id = ANY(ARRAY{ids})")
+        seen.append((left, sum(len(caps.holders("cappedbatch", a)) for a in actors)))
+
+    cmd = commands(family="cappedbatch", fn=look)
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {}, actor=a) for a in actors * 2])
         waiting = dispatcher.enqueue(conn, cmd, {}, actor=actors[0])
@@ -294,8 +342,8 @@ def test_a_settled_capped_batch_gives_its_slots_back_in_one_round_trip(
 
     caps.release_settled = release_settled  # type: ignore[method-assign]
     dispatcher.store.settle_many = counted_settle_many  # type: ignore[method-assign]
-    # the thread leaves them to the batch's end
-    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 5.0)
+    # the thread leaves what no start carried to the batch's end
+    monkeypatch.setattr("outbox_dispatch.deferred_settles.SLOT_WINDOW", 5.0)
     try:
         results = dispatcher.delivery.deliver_batch(
             [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True
@@ -303,8 +351,9 @@ def test_a_settled_capped_batch_gives_its_slots_back_in_one_round_trip(
     finally:
         del caps.release_settled, dispatcher.store.settle_many
     assert [r.outcome for r in results] == [Outcome.DELIVERED] * 4
-    assert statements == [4]  # one statement at the message's end
-    assert calls == [4]  # every slot back in one round trip
+    assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]  # settled and freed before the next start
+    assert statements == [1]  # the last row, at the message's end
+    assert calls == [1, 1, 1, 1]
     for actor in actors:
         assert caps.holders("cappedbatch", actor) == []
     # the waiting row gets a freed slot at the next claim

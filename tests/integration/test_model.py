@@ -12,11 +12,11 @@ capped, ordered with parked rows blocking, ordered with parked rows passing) thr
   stalled attempt's heartbeat, its worker coming back to settle, or its message redelivered;
 - ``claim_packed`` / ``work_box``: a claim whose rows go out several to a message, as the
   claimer packs a backlog; a worker runs the message with ``deliver_batch`` (each success
-  settled by the statement that starts the next row, a capped one by the deferred settles at
-  the message's end), each row with its own behaviour; a handler that kills the worker loses
-  the capped successes not yet settled (they stay started, and run again with
-  maybe_applied), leaves the rows after it untouched, and the broker redelivers the whole
-  message;
+  settled by the statement that starts the next row, its cap slot given back right then, the
+  last one by the deferred settles at the message's end), each row with its own behaviour; a
+  handler that kills the worker leaves the successes before it settled (the last by the
+  start of the row that killed it) and the rows after it untouched, and the broker
+  redelivers the whole message;
 - ``cancel``: by id (often of a row whose claim is out) or by actor, committed;
 - ``world``: the clock jumps (Postgres by ``store.clock_offset``, Redis slots' scores by the
   same), Redis loses every key, a caps rebuild, maintenance, parked rows retried or purged.
@@ -1013,12 +1013,11 @@ class ModelMachine(RuleBasedStateMachine):
 
     def _deliver_box(self, msgs: list[Msg], acts: list[str]) -> None:
         """deliver_batch() of one message of several rows, as a worker runs it (each success
-        settled by the next row's start, capped ones in one deferred statement at its end). A
-        handler that kills the worker takes the process with it: the capped successes not yet
-        settled stay started and run again with maybe_applied (the others were settled by the
-        starts after them, the last by the start of the row that killed it), the rows after
-        it never began (unchanged), and the broker redelivers the whole message (acks_late,
-        reject_on_worker_lost)."""
+        settled by the next row's start, the last in a deferred statement at its end). A
+        handler that kills the worker takes the process with it: the successes before it were
+        settled by the starts after them (the last by the start of the row that killed it),
+        the rows after it never began (unchanged), and the broker redelivers the whole message
+        (acks_late, reject_on_worker_lost)."""
         before = self.snap()
         starts = {m.id: self.predict_start(before, m) for m in msgs}
         self.plan = {m.id: (m, acts[k % len(acts)]) for k, m in enumerate(msgs)}
@@ -1065,22 +1064,8 @@ class ModelMachine(RuleBasedStateMachine):
             behavior = acts[k % len(acts)]
             mine = [c for c in calls if c.row_id == m.id]
             outcome = results.get(m.id)
-            a = after.rows.get(m.id)
             if crashed and k == last:
                 self._judge(m, behavior, starts[m.id], before, after, mine, None, True)
-            elif (
-                crashed
-                and outcome is Outcome.DELIVERED
-                and not FAMILIES[m.family].ordered
-                and m.id not in before.requests
-                and FAMILIES[m.family].per_actor is not None
-                and m.actor is not None
-            ):
-                # its handler returned; a start does not carry a capped row's settle: it was
-                # deferred to the message's end and died with the worker
-                assert mine and mine[0].returned, mine
-                assert a is not None and a.token == m.token and a.started, a
-                self.unresolved[m.id] = m.token
             else:
                 self._judge(m, behavior, starts[m.id], before, after, mine, outcome, False)
         self.spent += msgs
