@@ -13,7 +13,7 @@ import redis
 from celery import Celery
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Message, Outcome
-from outbox_dispatch.caps import Caps
+from outbox_dispatch.caps import Caps, Slot
 from tests.conftest import count_rows
 
 CAPS_REDIS_DB = 13  # flushed by these tests: nothing else may live there
@@ -371,3 +371,26 @@ def test_a_pass_claims_an_idle_capped_family_only_when_a_slot_of_it_freed(
     assert claims == ["capped"]
     assert freed.claimed == {"capped": 1}  # the waiting row, let in by the freed slot
     assert [c.actor for c in published[-1:]] == [actor]
+
+
+def test_pipelined_scripts_work_as_a_fresh_process_s_first_call_and_after_a_script_flush(
+    caps_url: str, run_id: str
+) -> None:
+    """A batched message's slot check and release are pipelined EVALSHAs (no SCRIPT EXISTS
+    round trip): they work as the first call of a fresh process, which has not registered its
+    scripts yet (a pool process's first capped batch failed so), and when Redis lost its
+    scripts (restarted, flushed), which loads them and runs the calls again, each once."""
+    prefix = f"t{run_id}fresh"
+    owner = Caps(caps_url, prefix)
+    owner.restore([])  # the semaphores are complete (nothing held)
+    token = uuid.uuid4()
+    slot = Slot("f", "a", token, 1)
+    assert owner.acquire_many([slot], lease=30) == [True]
+    fresh = Caps(caps_url, prefix)  # a new process's: nothing registered, nothing connected
+    left = fresh.bound_many([slot], lease=5)
+    assert 4000 <= left[0] <= 5000  # bounded to the 5 s given, not the claim's 30 s
+    redis.Redis.from_url(caps_url).script_flush()
+    again = fresh.bound_many([slot, Slot("f", "b", uuid.uuid4(), 1)], lease=60)
+    assert 4000 <= again[0] <= left[0] and again[1] == 0  # not extended; "b" holds nothing
+    assert fresh.release_settled([slot]) == {"f"}
+    assert fresh.holders("f", "a") == []
