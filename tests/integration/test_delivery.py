@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -280,3 +281,40 @@ def test_deferred_settles_ride_on_the_next_start_and_stay_fenced(
         del dispatcher.store.settle_many
     assert _row(database_url, schema, late)["cancel_reason"] == "changed my mind"
     assert statements == [1]  # the last row, settled by the thread
+
+
+def test_a_carried_settle_is_fenced_by_the_token_it_was_delivered_under(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker delivers a row and stalls before anything carries its settle; the row's lease
+    runs out and another claim takes it. The start that finally carries the old settle must
+    leave the row to its new holder (fenced by the old token), and the attempt is recorded as
+    lost, not delivered."""
+    schema = dispatcher.schema
+    cmd = commands(family="quick")
+    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 60.0)  # the thread waits
+    first = _enqueue(dispatcher, database_url, cmd)
+    [old] = _claim(dispatcher, "quick")
+    assert dispatcher.delivery.deliver(old.id, old.token, defer=True).outcome is Outcome.DELIVERED
+    dispatcher.store.clock_offset = 120.0  # the stall: past the lease the start gave it
+    try:
+        later = _enqueue(dispatcher, database_url, cmd)
+        claimed = {c.id: c for c in _claim(dispatcher, "quick")}
+        assert set(claimed) == {first, later}  # the first again: its attempt was lost
+        new = claimed[first]
+        with caplog.at_level(logging.WARNING, logger="outbox_dispatch.delivery"):
+            result = dispatcher.delivery.deliver(later, claimed[later].token, defer=True)
+            assert result.outcome is Outcome.DELIVERED
+            dispatcher.delivery.deferred.flush()  # what the start refused goes to the one-row path
+        row = _row(database_url, schema, first)
+        assert row["claim_token"] == new.token  # left to its new holder
+        assert row["maybe_applied"]
+        assert any("settle_refused" in r.getMessage() for r in caplog.records)
+        assert dispatcher.delivery.deliver(first, new.token).outcome is Outcome.DELIVERED
+    finally:
+        dispatcher.store.clock_offset = 0.0
+    assert count_rows(database_url, schema, f"id IN ({first}, {later})") == 0
