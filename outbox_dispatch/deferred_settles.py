@@ -138,6 +138,7 @@ class DeferredSettles:
         """Settle everything pending now (the end of a batched message, worker shutdown,
         tests), and finish what the starts that carried settles left to do."""
         self._finish(*self._settle(self.take()))
+        self._wake.set()  # a thread waiting for a row that is settled now looks again
 
     def _rouse(self) -> bool:
         """Called with the lock held after adding work: whether the thread must be woken (it
@@ -158,13 +159,13 @@ class DeferredSettles:
                 with self._lock:
                     wait = self._wait()
                     idle = wait is None and not self._after
-                    if idle:
-                        self._idle = True
-                        self._wake.clear()
+                    self._idle = idle
+                    self._wake.clear()
                 if idle:
                     self._wake.wait()
                 elif wait is not None and wait > 0:
-                    time.sleep(wait)  # a start may carry the row meanwhile
+                    # a start may carry the row meanwhile; a flush wakes this early
+                    self._wake.wait(min(wait, WINDOW))
                 else:
                     self._finish(*self._settle(self.take()))
             except Exception as exc:  # never let the thread die: the next rows need it

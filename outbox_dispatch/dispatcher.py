@@ -157,10 +157,12 @@ class Dispatcher:
 
         app.outbox_dispatcher = self  # lets `--app proj:celery_app` find us, as celery -A does
         wiring.write_settings(app)
-        self._deliver_task, self._claim_task = wiring.register_tasks(
+        self._deliver_task, self._deliver_row_task, self._claim_task = wiring.register_tasks(
             app, self._deliver_from_queue, self.claim_and_publish
         )
-        self.publisher = Publisher(app, self._deliver_task, self._shown_name)
+        self.publisher = Publisher(
+            app, self._deliver_task, self._shown_name, row_task=self._deliver_row_task
+        )
         # with commit listeners, the leading one claims every claim_interval itself and beat's
         # entry is the safety net (listener.py): a claim task every second cost the deliveries
         # around it several ms each time

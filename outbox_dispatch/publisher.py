@@ -56,9 +56,12 @@ class LocalSink(Protocol):
 
 
 class Publisher:
-    def __init__(self, app: Celery, task: Any, name: Namer = family_command) -> None:
+    def __init__(
+        self, app: Celery, task: Any, name: Namer = family_command, row_task: Any = None
+    ) -> None:
         self.app = app
-        self.task = task
+        self.task = task  # a batched message's (wiring.py: the two acknowledgement rules)
+        self.row_task = task if row_task is None else row_task  # a one-row message's
         self.name = name
         self.local: LocalSink | None = None  # this worker's consumer (handoff.py), if any
 
@@ -90,7 +93,7 @@ class Publisher:
         if self._needs_celery_path(queue):
             with self.app.producer_or_acquire() as producer, _batched(producer, len(messages)):
                 for args, options in messages:
-                    self.task.apply_async(args, producer=producer, **options)
+                    self._task_for(args).apply_async(args, producer=producer, **options)
             return
         wires = self.wires(queue, messages)
         if self.local is not None:
@@ -117,24 +120,30 @@ class Publisher:
     def _send(self, producer: Any, queue: str, messages: Outgoing) -> None:
         self._put(producer, queue, self.wires(queue, messages))
 
+    def _task_for(self, args: tuple[Any, ...]) -> Any:
+        """A batched message's args end with its list of pairs; a one-row message's with its
+        token."""
+        return self.task if args and isinstance(args[-1], list) else self.row_task
+
     def wires(self, queue_name: str, messages: Outgoing) -> list[Wire]:
-        """The messages as the broker carries them. Celery builds one message per claim, the
-        template; each is a copy with its own task id, args and display fields."""
-        amqp = self.app.amqp
-        first_args, first_options = messages[0]
-        template = amqp.create_task_message(
-            "template",
-            self.task.name,
-            first_args,
-            {},
-            ignore_result=True,
-            time_limit=first_options.get("time_limit"),
-            soft_time_limit=first_options.get("soft_time_limit"),
-        )
-        headers0, properties0, body0, _ = template
-        embed = body0[2]
+        """The messages as the broker carries them. Celery builds one message per claim and
+        task, the template; each is a copy with its own task id, args and display fields."""
+        templates: dict[str, tuple[dict[str, Any], dict[str, Any], Any]] = {}
         out = []
         for args, options in messages:
+            task = self._task_for(args)
+            if task.name not in templates:
+                headers0, properties0, body0, _ = self.app.amqp.create_task_message(
+                    "template",
+                    task.name,
+                    args,
+                    {},
+                    ignore_result=True,
+                    time_limit=options.get("time_limit"),
+                    soft_time_limit=options.get("soft_time_limit"),
+                )
+                templates[task.name] = (headers0, properties0, body0[2])
+            headers0, properties0, embed = templates[task.name]
             task_id = str(uuid.uuid4())
             headers = {**headers0, "id": task_id, "root_id": task_id}
             for key in _DISPLAY:

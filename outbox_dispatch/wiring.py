@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from .handoff import LocalHandoff
     from .listener import CommitListener
 
-DELIVER_TASK = "outbox.deliver"
+DELIVER_TASK = "outbox.deliver"  # a batched message: acknowledged once it ends
+DELIVER_ROW_TASK = "outbox.deliver_row"  # a one-row message: acknowledged when it starts
+DELIVER_TASKS = frozenset({DELIVER_TASK, DELIVER_ROW_TASK})
 CLAIM_TASK = "outbox.claim"
 CLAIM_ENTRY = "outbox-dispatch claimer"
 PRUNE_TASK = "outbox.prune"
@@ -67,25 +69,36 @@ def register_tasks(
     app: Celery,
     deliver: Callable[[tuple[Any, ...], str | None], Sequence[Result]],
     claim: Callable[[list[str] | None, str | None], object],
-) -> tuple[Any, Any]:
-    """The delivery task takes raw args so a garbage message reaches our check, not a TypeError;
-    it reports its rows' outcome as its Celery state (task_states.py). The claim task sends
-    no task events: one a second from beat would drown the deliveries in Flower."""
+) -> tuple[Any, Any, Any]:
+    """The delivery tasks take raw args so a garbage message reaches our check, not a
+    TypeError; they report their rows' outcome as their Celery state (task_states.py). The
+    claim task sends no task events: one a second from beat would drown the deliveries in
+    Flower.
 
-    @app.task(  # type: ignore[untyped-decorator]
-        name=DELIVER_TASK,
-        base=Task,  # Celery's own, also in an app whose task_cls is OutboxTask
-        shared=False,  # a shared task would be added to every other Celery app in the process
-        bind=True,
-        acks_late=True,
-        reject_on_worker_lost=True,
-        ignore_result=True,
-        typing=False,
-        throws=(Parked,),  # a parked row is logged by us, once, without Celery's traceback
-    )
-    def deliver_task(self: Any, *args: Any, **_kwargs: Any) -> str:
+    Two delivery tasks, one body, for the two acknowledgement rules a message needs. A batched
+    message is acknowledged once it ends and given back to the broker when its pool process
+    dies (acks_late, reject_on_worker_lost): the rows after the one that was running then run
+    at once, not after their lease. A one-row message is acknowledged when its pool process
+    takes it: given back, it would only find its row started (its lease decides), and an
+    early acknowledgement lets the worker fetch the next message while this one runs instead
+    of after it (one row per message ran about a sixth faster)."""
+    common: dict[str, Any] = {
+        "base": Task,  # Celery's own, also in an app whose task_cls is OutboxTask
+        "shared": False,  # a shared task would be added to every other Celery app in the process
+        "bind": True,
+        "ignore_result": True,
+        "typing": False,
+        "throws": (Parked,),  # a parked row is logged by us, once, without Celery's traceback
+    }
+
+    def run(self: Any, *args: Any, **_kwargs: Any) -> str:
         info = getattr(self.request, "delivery_info", None) or {}
         return report(self, task_state(deliver(args, info.get("routing_key"))))
+
+    deliver_task = app.task(
+        name=DELIVER_TASK, acks_late=True, reject_on_worker_lost=True, **common
+    )(run)
+    row_task = app.task(name=DELIVER_ROW_TASK, acks_late=False, **common)(run)
 
     @app.task(name=CLAIM_TASK, **MAINTENANCE)  # type: ignore[untyped-decorator]
     def claim_task(families: Any = None, database: Any = None) -> None:
@@ -95,7 +108,7 @@ def register_tasks(
         claim(names, database if isinstance(database, str) else None)
 
     quiet_celery_logs()
-    return deliver_task, claim_task
+    return deliver_task, row_task, claim_task
 
 
 def report(task: Any, state: TaskState) -> str:

@@ -12,14 +12,14 @@ import psycopg
 import pytest
 
 from outbox_dispatch import Context, Dispatcher, Message, Outcome
-from outbox_dispatch.wiring import DELIVER_TASK
+from outbox_dispatch.wiring import DELIVER_TASKS
 from tests.conftest import count_rows
 
 from .conftest import Effects
 
 
 def _deliveries(published: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [m for m in published if m["task"] == DELIVER_TASK]
+    return [m for m in published if m["task"] in DELIVER_TASKS]
 
 
 def _rows_in(message: dict[str, Any]) -> int:

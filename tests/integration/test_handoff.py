@@ -1,168 +1,163 @@
-"""The local hand-off (handoff.py) against a real in-process worker: the messages its own commit
-listener claims go to its idle pool processes without the broker, the rest through the broker,
-and what the worker still holds when its consumer stops goes to the broker for another."""
+"""The local hand-off (handoff.py) against the session's real in-process worker: a claim made in
+the worker's process gives its first messages to the worker's idle pool threads without the
+broker, the rest through the broker, and what the worker still holds when its consumer stops
+goes to the broker for another worker. (A worker's commit listener makes those claims; here
+the test makes them in the worker's process, which is what the hand-off looks at.)"""
 
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
-import redis
-from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 from outbox_dispatch import Context, Dispatcher, Message
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.handoff import LocalHandoff
 from outbox_dispatch.publisher import Wire
 from tests.conftest import count_rows
 
 
-class Seen:
-    def __init__(self) -> None:
-        self.rows: list[int] = []
-        self.lock = threading.Lock()
-        self.release = threading.Event()
-
-    def add(self, row_id: int) -> None:
-        with self.lock:
-            self.rows.append(row_id)
-
-
-@pytest.fixture(scope="module")
-def listening(
-    database_url: str, redis_url: str, schema: str, key_prefix: str
-) -> Iterator[tuple[Dispatcher, Seen, list[int]]]:
-    """A listening dispatcher on a schema and key prefix of its own, with its own worker
-    (threads, two of them); ``sent`` counts the messages that went to the broker."""
-    own_schema = f"{schema}_ho"
-    migrate(database_url, own_schema)
-    prefix = f"{key_prefix}ho{uuid.uuid4().hex[:6]}:"
-    app = Celery("handoff", broker=redis_url, set_as_current=False)
-    app.conf.update(
-        broker_transport_options={"global_keyprefix": prefix},
-        task_ignore_result=True,
-        worker_hijack_root_logger=False,
-    )
-    d = Dispatcher(
-        app,
-        database_url=database_url,
-        redis_url=redis_url,
-        schema=own_schema,
-        key_prefix=prefix.rstrip(":"),
-    )
-    d.family("ho", batch=1)
-    seen = Seen()
-
-    @d.handler("ho.run", family="ho")
-    def run(ctx: Context, payload: Any) -> None:
-        seen.add(ctx.row_id)
-        if payload.get("hold"):
-            assert seen.release.wait(10)
-
-    sent: list[int] = []
-    send = d.publisher.send
-
-    def counted(queue: str, wires: Any) -> None:  # observed, not replaced
-        sent.append(len(wires))
-        send(queue, wires)
-
-    d.publisher.send = counted  # type: ignore[method-assign]
-    try:
-        with start_worker(
-            app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"
-        ):
-            assert d.handoff is not None
-            deadline = time.monotonic() + 10
-            while d.handoff._wake is None:  # the consumer step attached it
-                assert time.monotonic() < deadline, "the hand-off was never attached"
-                time.sleep(0.02)
-            yield d, seen, sent
-    finally:
-        d.close()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{own_schema}" CASCADE')
-        client = redis.Redis.from_url(redis_url)
-        for key in client.scan_iter(f"{prefix}*"):
-            client.delete(key)
-        client.close()
-
-
-@pytest.fixture
-def handing(
-    listening: tuple[Dispatcher, Seen, list[int]],
-) -> Iterator[tuple[Dispatcher, Seen, list[int]]]:
-    _d, seen, sent = listening
-    seen.rows.clear()
-    sent.clear()
-    seen.release.clear()
-    yield listening
-    seen.release.set()  # nothing holds a thread past its test
-
-
-def _wait_for(check: Any, what: str, timeout: float = 10) -> None:
+def _wait_for(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
 
 
-def test_a_committed_row_goes_straight_to_an_idle_pool_process(
-    handing: tuple[Dispatcher, Seen, list[int]], database_url: str
+def _in_loop(worker: Any, fn: Callable[[], None]) -> None:
+    """Run ``fn`` in the worker's event loop thread, as its consumer's bootsteps run."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            done.set()
+
+    worker.consumer.hub.call_soon(run)
+    assert done.wait(10), "the worker's event loop never ran it"
+
+
+@pytest.fixture
+def handoff(dispatcher: Dispatcher, worker: Any) -> Iterator[tuple[LocalHandoff, list[int]]]:
+    """A hand-off attached to the session worker's consumer for one test (the session's
+    dispatcher does not listen, so it has none); ``sent`` counts what went to the broker."""
+    sent: list[int] = []
+
+    def republish(queue: str, wires: Any) -> None:
+        sent.append(len(wires))
+        dispatcher.publisher.send(queue, wires)
+
+    h = LocalHandoff(republish)
+    _in_loop(worker, lambda: h.attach(worker.consumer))
+    send = dispatcher.publisher.send
+
+    def counted(queue: str, wires: Any) -> None:  # observed, not replaced
+        sent.append(len(wires))
+        send(queue, wires)
+
+    dispatcher.publisher.send = counted  # type: ignore[method-assign]
+    dispatcher.publisher.local = h
+    try:
+        yield h, sent
+    finally:
+        dispatcher.publisher.local = None
+        del dispatcher.publisher.send
+        _in_loop(worker, h.detach)
+
+
+def test_a_claimed_row_goes_straight_to_an_idle_pool_process(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    database_url: str,
 ) -> None:
-    d, seen, sent = handing
-    assert d.handoff is not None
-    before = d.handoff.handed
+    h, sent = handoff
+    ran = threading.Event()
+    cmd = commands(family="quick", fn=lambda ctx, payload: ran.set())
     with psycopg.connect(database_url) as conn, conn.transaction():
-        row_id = d.enqueue(conn, "ho.run", {})
-    _wait_for(lambda: row_id in seen.rows, "the row was never delivered")
-    _wait_for(lambda: count_rows(database_url, d.schema, f"id = {row_id}") == 0, "not settled")
-    assert d.handoff.handed == before + 1
+        row_id = dispatcher.enqueue(conn, cmd, {})
+    assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
+    assert ran.wait(10), "the row was never delivered"
+    _wait_for(
+        lambda: count_rows(database_url, dispatcher.schema, f"id = {row_id}") == 0, "not settled"
+    )
+    assert h.handed == 1
     assert sent == []  # nothing went through the broker
 
 
 def test_a_backlog_beyond_the_idle_processes_goes_through_the_broker(
-    handing: tuple[Dispatcher, Seen, list[int]], database_url: str
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
 ) -> None:
-    """Two idle processes take two messages; the other eight go to the broker, where every
-    worker can take them (here the same one), and each row runs once."""
-    d, seen, sent = handing
-    assert d.handoff is not None
-    before = d.handoff.handed
+    """The worker takes as many messages as it would prefetch (a message per idle pool
+    thread); the others go to the broker, where every worker can take them (here the same
+    one), and each row runs once."""
+    h, sent = handoff
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def note(ctx: Context, payload: Any) -> None:
+        with lock:
+            seen.append(ctx.row_id)
+        time.sleep(0.05)  # long enough that the claim's later messages find no idle thread
+
+    cmd = commands(family="quick", fn=note)
     with psycopg.connect(database_url) as conn, conn.transaction():
-        ids = d.enqueue_many(conn, [Message("ho.run", {"n": i}) for i in range(10)])
-    _wait_for(lambda: set(ids) <= set(seen.rows), "rows were never delivered")
-    assert sorted(r for r in seen.rows if r in ids) == sorted(ids)  # each once
-    assert d.handoff.handed - before == 2  # its prefetch: one per process
-    assert sum(sent) == 8
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(12)])
+    assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 12}
+    _wait_for(lambda: len(seen) == 12, "rows were never delivered")
+    assert sorted(seen) == sorted(ids)  # each once
+    prefetch = int(worker.consumer.qos.value)
+    assert 1 <= h.handed <= prefetch
+    assert h.handed + sum(sent) >= 2  # both ways were taken (messages, a few rows each)
+    assert sum(sent) > 0
 
 
 def test_what_the_worker_holds_when_its_consumer_stops_goes_to_the_broker(
-    handing: tuple[Dispatcher, Seen, list[int]], database_url: str
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
 ) -> None:
     """A message given to the worker that has not started when its consumer stops (a warm
     shutdown, a lost broker connection) is published for another worker, as kombu gives
     back a prefetched broker message; one that is running is left to finish."""
-    d, seen, _sent = handing
-    handoff = d.handoff
-    assert handoff is not None
+    h, _sent = handoff
+    release, running = threading.Event(), threading.Event()
+
+    def hold(ctx: Context, payload: Any) -> None:
+        running.set()
+        assert release.wait(10)
+
+    cmd = commands(family="quick", fn=hold)
     with psycopg.connect(database_url) as conn, conn.transaction():
-        held = d.enqueue(conn, "ho.run", {"hold": True})
-    _wait_for(lambda: held in seen.rows, "the holding row never started")
-    wire = Wire("t-" + uuid.uuid4().hex, "[]", {}, {})
-    with handoff._lock:  # taken, not yet given to Celery
-        handoff._pending.append((d.queue_name("ho"), wire))
-    published: list[tuple[str, list[str]]] = []
-    real = handoff.republish
-    handoff.republish = lambda queue, wires: published.append((queue, [w.task_id for w in wires]))
+        held = dispatcher.enqueue(conn, cmd, {})
     try:
-        handoff.detach()  # what the consumer step does when the consumer stops
-        assert published == [(d.queue_name("ho"), [wire.task_id])]  # not the running one
-        assert handoff.take(d.queue_name("ho"), [wire]) == 0  # detached: the broker from now
+        dispatcher.claim_and_publish(["quick"])
+        assert running.wait(10), "the holding row never started"
+        assert h.handed == 1
+        queue = dispatcher.queue_name("quick")
+        wire = Wire("t-" + uuid.uuid4().hex, "[]", {}, {})
+        with h._lock:  # taken, not yet given to Celery
+            h._pending.append((queue, wire))
+        published: list[tuple[str, list[str]]] = []
+        real = h.republish
+        h.republish = lambda q, wires: published.append((q, [w.task_id for w in wires]))
+        try:
+            _in_loop(worker, h.detach)  # what the consumer step does when the consumer stops
+        finally:
+            h.republish = real
+        assert published == [(queue, [wire.task_id])]  # not the one that is running
+        assert h.take(queue, [wire]) == 0  # detached: the broker from now on
     finally:
-        handoff.republish = real
-        seen.release.set()
+        release.set()
+    _wait_for(lambda: count_rows(database_url, dispatcher.schema, f"id = {held}") == 0, "held")

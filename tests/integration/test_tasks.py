@@ -28,6 +28,7 @@ from outbox_dispatch import (
     UnknownFamily,
     using,
 )
+from outbox_dispatch.wiring import DELIVER_TASKS
 from tests.conftest import count_rows
 
 Calls = list[tuple[str, Any]]
@@ -412,9 +413,9 @@ def test_the_worker_delivers_a_call_under_the_tasks_own_name(
     while not calls and time.monotonic() < deadline:
         time.sleep(0.02)
     assert [c[1]["args"] for c in calls] == [("hello",)]
-    shown = [p["headers"].get("shadow") for p in published if p["task"] == "outbox.deliver"]
+    shown = [p["headers"].get("shadow") for p in published if p["task"] in DELIVER_TASKS]
     assert shown == [t.name]
-    sent = next(p for p in published if p["task"] == "outbox.deliver")
+    sent = next(p for p in published if p["task"] in DELIVER_TASKS)
     assert sent["body"][0][0] == row_id  # the message names the row, not the args
 
 

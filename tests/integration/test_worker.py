@@ -12,7 +12,13 @@ from celery import Celery
 
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.listener import SAFETY_INTERVAL
-from outbox_dispatch.wiring import CLAIM_ENTRY, CLAIM_TASK, DELIVER_TASK
+from outbox_dispatch.wiring import (
+    CLAIM_ENTRY,
+    CLAIM_TASK,
+    DELIVER_ROW_TASK,
+    DELIVER_TASK,
+    DELIVER_TASKS,
+)
 from tests.conftest import count_rows
 
 from .conftest import Effects
@@ -48,7 +54,7 @@ def test_claimer_publishes_ids_and_tokens_and_the_worker_delivers_once(
     time.sleep(0.2)
     assert len(effects.calls) == 21
 
-    deliveries = [m for m in published if m["task"] == DELIVER_TASK]
+    deliveries = [m for m in published if m["task"] in DELIVER_TASKS]
     sent: list[int] = []
     for m in deliveries:
         args, kwargs, _embed = m["body"]
@@ -79,10 +85,10 @@ def test_garbage_on_the_delivery_queue_runs_nothing(
     cmd = commands()
     with psycopg.connect(database_url) as conn, conn.transaction():
         row_id = dispatcher.enqueue(conn, cmd, {})
-    task = dispatcher.app.tasks[DELIVER_TASK]
-    for args in [(row_id, "00000000-0000-0000-0000-000000000000"), ("drop table",), ()]:
-        task.apply_async(args, queue="outbox.intent")
-    task.apply_async((row_id,), {"evil": True}, queue="outbox.intent")
+    for task in (dispatcher.app.tasks[name] for name in sorted(DELIVER_TASKS)):
+        for args in [(row_id, "00000000-0000-0000-0000-000000000000"), ("drop table",), ()]:
+            task.apply_async(args, queue="outbox.intent")
+        task.apply_async((row_id,), {"evil": True}, queue="outbox.intent")
     time.sleep(0.5)
     assert effects.calls == []
     assert count_rows(database_url, dispatcher.schema, "claim_token IS NULL") == 1
@@ -105,8 +111,10 @@ def test_app_wiring(dispatcher: Dispatcher, celery_app: Celery) -> None:
     listening = Celery("wiring_listen", set_as_current=False)
     Dispatcher(listening, database_url="postgresql://127.0.0.1/unused", claim_interval=0.5)
     assert listening.conf.beat_schedule[CLAIM_ENTRY]["schedule"] == SAFETY_INTERVAL
-    deliver = celery_app.tasks[DELIVER_TASK]
+    deliver = celery_app.tasks[DELIVER_TASK]  # batched messages: given back if its process dies
     assert deliver.acks_late and deliver.reject_on_worker_lost and deliver.ignore_result
+    row = celery_app.tasks[DELIVER_ROW_TASK]  # one row: acknowledged as its process takes it
+    assert not row.acks_late and row.ignore_result
 
     # a family added after Celery is configured gets its queue at once
     dispatcher.family("late_family", max_attempts=2)

@@ -40,13 +40,14 @@ def test_fast_message_matches_celerys(dispatcher: Dispatcher, family: str) -> No
     row = Claimed(42, uuid.uuid4(), "email.send", "customer-7", 3)
     ours, theirs = Recorder(), Recorder()
 
-    Publisher(dispatcher.app, dispatcher._deliver_task)._send(
+    dispatcher.publisher._send(
         ours, queue, [((row.id, str(row.token)), message_options(fam, row, queue))]
     )
     options = message_options(fam, row, queue)
+    task = dispatcher._deliver_row_task  # a one-row message's task
     message = dispatcher.app.amqp.create_task_message(
         "id-1",
-        dispatcher._deliver_task.name,
+        task.name,
         (row.id, str(row.token)),
         {},
         ignore_result=True,
@@ -56,9 +57,7 @@ def test_fast_message_matches_celerys(dispatcher: Dispatcher, family: str) -> No
         time_limit=options.get("time_limit"),
         soft_time_limit=options.get("soft_time_limit"),
     )
-    dispatcher.app.amqp.send_task_message(
-        theirs, dispatcher._deliver_task.name, message, queue=queue
-    )
+    dispatcher.app.amqp.send_task_message(theirs, task.name, message, queue=queue)
 
     [(our_body, our_kw)] = ours.sent
     [(their_body, their_kw)] = theirs.sent
