@@ -32,7 +32,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from typing import Any
 
 from kombu.message import Message
 
+from .forksafe import ForkSafeLock
 from .logs import event
 from .publisher import Wire
 
@@ -73,7 +73,9 @@ class LocalHandoff:
 
     def __init__(self, republish: Callable[[str, Sequence[Wire]], None]) -> None:
         self.republish = republish  # to the broker: rejected for requeue, or not started at stop
-        self._lock = threading.Lock()
+        # new in a forked pool process, which may take it (a claim task there hands nothing
+        # off), while a listener thread of the worker held it at the fork
+        self._lock = ForkSafeLock()
         self._pending: deque[tuple[str, Wire]] = deque()  # taken, not yet given to Celery
         self._outstanding: dict[str, tuple[str, Wire]] = {}  # given, not yet acked or rejected
         self._consumer: Any = None
@@ -186,8 +188,10 @@ class LocalHandoff:
         it would prefetch from the broker (its pool processes times the prefetch multiplier,
         one by default), less the requests it already holds, so that a handed-off message
         never waits here while another worker could run it."""
+        if self._pid != os.getpid():  # a forked pool process (a claim task): never attached here
+            return 0
         with self._lock:
-            if self._wake is None or self._pid != os.getpid() or queue not in self._consumed():
+            if self._wake is None or queue not in self._consumed():
                 return 0
             room = self._prefetch() - _reserved() - len(self._pending)
             taken = list(wires[: max(0, room)])

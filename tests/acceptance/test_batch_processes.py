@@ -14,19 +14,39 @@ import psycopg
 from celery import Celery
 
 from outbox_dispatch import Dispatcher, Message
+from outbox_dispatch.policy import Family
+
+APP = "tests.acceptance.batch_app"
+
+
+def _producer(env: dict[str, str], family: str, **policy: float) -> tuple[Dispatcher, Family]:
+    """A dispatcher of the test's own that enqueues (and may claim) the batch_app's rows."""
+    app = Celery("producer", broker=env["OUTBOX_TEST_REDIS_URL"], set_as_current=False)
+    app.conf.broker_transport_options = {"global_keyprefix": env["OUTBOX_TEST_KEY_PREFIX"]}
+    producer = Dispatcher(
+        app,
+        database_url=env["OUTBOX_TEST_DATABASE_URL"],
+        schema=env["OUTBOX_TEST_SCHEMA"],
+        listen=False,
+    )
+    fam = producer.family(family, **policy)  # type: ignore[arg-type]
+    producer.declare(f"acc.{family}", family=family)
+    return producer, fam
+
+
+def _worker(spawn: Callable[..., Popen[bytes]], env: dict[str, str], *extra: str) -> Popen[bytes]:
+    """A prefork worker of one pool process on the batch_app."""
+    args = [sys.executable, "-m", "celery", "-A", APP, "worker", *extra]
+    return spawn([*args, "-P", "prefork", "-c", "1", "--loglevel", "INFO"], env, "worker")
 
 
 def test_a_pool_process_killed_mid_batch_marks_only_the_row_it_was_running(
     clean_acc: dict[str, str], spawn: Callable[..., Popen[bytes]]
 ) -> None:
-    env = {**clean_acc, "OUTBOX_DISPATCH_APP": "tests.acceptance.batch_app:dispatcher"}
+    env = {**clean_acc, "OUTBOX_DISPATCH_APP": f"{APP}:dispatcher"}
     schema = env["OUTBOX_TEST_SCHEMA"]
     url = env["OUTBOX_TEST_DATABASE_URL"]
-    app = Celery("producer", broker=env["OUTBOX_TEST_REDIS_URL"], set_as_current=False)
-    app.conf.broker_transport_options = {"global_keyprefix": env["OUTBOX_TEST_KEY_PREFIX"]}
-    producer = Dispatcher(app, database_url=url, schema=schema, listen=False)
-    family = producer.family("batchkill", lease=10, heartbeat_timeout=1)
-    producer.declare("acc.batchkill", family="batchkill")
+    producer, family = _producer(env, "batchkill", lease=10, heartbeat_timeout=1)
     with psycopg.connect(url) as conn, conn.transaction():
         ids = producer.enqueue_many(
             conn, [Message("acc.batchkill", {"n": i, "kill": i == 3}) for i in range(8)]
@@ -37,27 +57,7 @@ def test_a_pool_process_killed_mid_batch_marks_only_the_row_it_was_running(
     producer.publish(family, claimed, size=8)
     producer.close()
 
-    worker = spawn(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "tests.acceptance.batch_app",
-            "worker",
-            "-B",
-            "-s",
-            f"/tmp/beat-batch-{schema}",
-            "-P",
-            "prefork",
-            "-c",
-            "1",
-            "--loglevel",
-            "INFO",
-        ],
-        env,
-        "worker",
-    )
+    worker = _worker(spawn, env, "-B", "-s", f"/tmp/beat-batch-{schema}")
     deadline = time.monotonic() + 60
     while True:
         with psycopg.connect(url) as conn:
@@ -102,32 +102,11 @@ def test_a_handed_off_message_whose_pool_process_died_goes_to_the_broker(
     the message for requeue (acks_late, reject_on_worker_lost), and the hand-off publishes it
     to the broker: the row after the killed one runs at once, a first attempt, not after its
     claim's 60 s lease; the killed row runs again after its 1 s run lease, maybe_applied."""
-    env = {**clean_acc, "OUTBOX_DISPATCH_APP": "tests.acceptance.batch_app:dispatcher"}
+    env = {**clean_acc, "OUTBOX_DISPATCH_APP": f"{APP}:dispatcher"}
     schema = env["OUTBOX_TEST_SCHEMA"]
     url = env["OUTBOX_TEST_DATABASE_URL"]
-    app = Celery("producer", broker=env["OUTBOX_TEST_REDIS_URL"], set_as_current=False)
-    app.conf.broker_transport_options = {"global_keyprefix": env["OUTBOX_TEST_KEY_PREFIX"]}
-    producer = Dispatcher(app, database_url=url, schema=schema, listen=False)
-    producer.family("handkill", lease=60, heartbeat_timeout=1)
-    producer.declare("acc.handkill", family="handkill")
-    worker = spawn(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "tests.acceptance.batch_app",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            "1",
-            "--loglevel",
-            "INFO",
-        ],
-        env,
-        "worker",
-    )
+    producer, _family = _producer(env, "handkill", lease=60, heartbeat_timeout=1)
+    worker = _worker(spawn, env)  # no beat: the worker's own listener claims
     try:
         with psycopg.connect(url) as conn, conn.transaction():
             [warm] = producer.enqueue_many(conn, [Message("acc.handkill", {"n": -1})])
