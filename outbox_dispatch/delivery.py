@@ -351,9 +351,14 @@ class Delivery:
         process (deferred_settles.py): one round trip, and they are settled before this row's
         handler runs."""
         pending = self.deferred.take_for_start()
+        family = self.families.get(family_hint) if family_hint else None
         try:
             started, settled = self.store.start(
-                row_id, token, self._run_lease_for(family_hint), carried(pending)
+                row_id,
+                token,
+                self._run_lease_for(family_hint),
+                carried(pending),
+                flushed=self.store.starts_flushed(family),
             )
         except BaseException:
             self.deferred.give_back(pending)

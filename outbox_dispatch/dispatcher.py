@@ -101,6 +101,7 @@ class Dispatcher:
         task_family: str = "job",
         task_outside: str = "commit",
         handoff: bool = True,
+        flushed_starts: bool = False,
     ) -> None:
         urls = database_urls(database_url, databases)
         if claim_interval <= 0:
@@ -113,6 +114,10 @@ class Dispatcher:
             isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1
         ):
             raise ConfigurationError(f"consumers must be None or >= 1, got {consumers!r}")
+        if not isinstance(flushed_starts, bool):
+            raise ConfigurationError(
+                f"flushed_starts must be True or False, got {flushed_starts!r}"
+            )
         if task_outside not in tasks.OUTSIDE:
             raise ConfigurationError(
                 f"task_outside must be one of {list(tasks.OUTSIDE)}, got {task_outside!r}"
@@ -141,6 +146,7 @@ class Dispatcher:
                 handler_pool_size=handler_pool_size,
                 name=name,
                 breaker=Breaker(name) if several else None,
+                flushed_starts=flushed_starts,
             )
             for name, url in urls.items()
         }

@@ -201,6 +201,19 @@ def decide_failure(
     return FailureDecision(Verdict.RETRY, family.backoff.delay(attempts, rand))
 
 
+def starts_flushed(family: Family | None, flushed_starts: bool) -> bool:
+    """Whether a delivery start waits for its WAL flush before the handler runs.
+
+    By default it does not: the claim before it is flushed instead, so after a crash of
+    Postgres a row whose start was lost still shows its claim, older than the server's start,
+    and is taken as possibly started (it runs again with ``maybe_applied``, after its lease).
+    A family that parks lost attempts flushes its starts, so that a Postgres restart does not
+    park rows that never ran; an unknown family flushes (the safe side); and
+    ``flushed_starts`` makes every start flush, for a failover to a synchronous standby, whose
+    own start time says nothing of the commits it never received."""
+    return flushed_starts or family is None or family.on_lost is LostAttempt.PARK
+
+
 def claim_limit(batch: int, max_in_flight: int, in_flight: int) -> int:
     """How many rows a claim may take: never more than the family can have in flight."""
     return max(0, min(batch, max_in_flight - in_flight))

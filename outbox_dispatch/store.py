@@ -23,7 +23,7 @@ from .cron import Schedule, due_ticks
 from .errors import DatabaseError, DatabaseUnavailable, IsolationNotSupported, SchemaNotReady
 from .health import PROBE_CONNECT_TIMEOUT, Breaker, liveness_options
 from .logs import mask_dsn
-from .policy import Candidate, Family, LostAttempt, claim_limit
+from .policy import Candidate, Family, LostAttempt, claim_limit, starts_flushed
 from .pool import Conn, Pools
 from .rows import CappedDecision, Claimed, ClaimResult, FamilyStatus, Holder, Started
 from .settle import BATCH_QUERY, QUERY, SettleKind, leaves_line
@@ -59,8 +59,10 @@ class Store:
         handler_pool_size: int = 32,
         name: str = "default",
         breaker: Breaker | None = None,
+        flushed_starts: bool = False,
     ) -> None:
         self.database_url = database_url
+        self.flushed_starts = flushed_starts  # every start waits for its flush (policy.py)
         self.name = name  # the dispatcher's name for this database
         self.breaker = breaker
         self.schema = schema
@@ -269,6 +271,7 @@ class Store:
         (in pipeline mode the rows can be fetched after the commit was queued)."""
         params = {
             **_lease_params(family),
+            "flushed_starts": self.starts_flushed(family),
             "family": family.name,
             "ids": ids,
             "tokens": tokens,
@@ -278,10 +281,19 @@ class Store:
         return conn.execute(self.q["claim_lease"], params)
 
     def _lock_family(self, conn: Conn, family: Family) -> None:
-        """The family's claim lock, held to commit: in-flight counts cannot race."""
+        """The family's claim lock, held to commit: in-flight counts cannot race. It also
+        says whether the claim commits flushed: it does when the family's starts do not."""
         conn.execute(
-            self.q["claim_lock_family"], {"lock_name": f"{self.schema}.claim.{family.name}"}
+            self.q["claim_lock_family"],
+            {
+                "lock_name": f"{self.schema}.claim.{family.name}",
+                "flushed_starts": self.starts_flushed(family),
+            },
         )
+
+    def starts_flushed(self, family: Family | None) -> bool:
+        """Whether this family's delivery starts wait for their WAL flush (policy.py)."""
+        return starts_flushed(family, self.flushed_starts)
 
     def claim_capped(
         self,
@@ -318,7 +330,14 @@ class Store:
             leased = self._lease(conn, family, ids, tokens).fetchall() if ids else []
             rows = [r[1:] for r in leased if r[1] is not None]
             if wait:
-                conn.execute(self.q["claim_mark_waiting"], {"ids": wait, "lease": family.lease})
+                conn.execute(
+                    self.q["claim_mark_waiting"],
+                    {
+                        "ids": wait,
+                        "lease": family.lease,
+                        "flushed_starts": self.starts_flushed(family),
+                    },
+                )
         result = _claim_result(family.name, rows, limit)
         return replace(result, waiting=len(wait))
 
@@ -378,9 +397,11 @@ class Store:
 
     # -- delivery -------------------------------------------------------------------------
 
-    def begin(self, row_id: int, token: UUID, run_lease: float) -> Started | None:
+    def begin(
+        self, row_id: int, token: UUID, run_lease: float, *, flushed: bool = True
+    ) -> Started | None:
         """Start an attempt; from now its lease is ``run_lease`` (the heartbeat timeout)."""
-        return self.start(row_id, token, run_lease)[0]
+        return self.start(row_id, token, run_lease, flushed=flushed)[0]
 
     def start(
         self,
@@ -388,11 +409,15 @@ class Store:
         token: UUID,
         run_lease: float,
         carry: Mapping[SettleKind, tuple[int, UUID]] | None = None,
+        *,
+        flushed: bool = True,
     ) -> tuple[Started | None, set[int]]:
         """Start an attempt, and settle in the same statement the delivered rows in ``carry``
         (at most one per kind, ``delete`` or ``done``: deferred settles of rows delivered just
-        before): one round trip for both, and the start's WAL flush makes them durable too.
-        Returns the started row (None: the claim no longer holds) and the ids settled."""
+        before): one round trip for both, durable together. ``flushed``: whether it waits for
+        its WAL flush (``starts_flushed`` of the row's family; without, a claim older than the
+        server's start may not start). Returns the started row (None: the claim no longer
+        holds) and the ids settled."""
         deleted = (carry or {}).get(SettleKind.DELETE, _NO_ROW)
         done = (carry or {}).get(SettleKind.DONE, _NO_ROW)
         params = {
@@ -403,6 +428,7 @@ class Store:
             "deleted_token": deleted[1],
             "done": done[0],
             "done_token": done[1],
+            "flushed": flushed,
         }
         with translated("delivery start"), self._starting() as conn:
             row = conn.execute(self.q["deliver_begin"], params).fetchone()
@@ -436,13 +462,18 @@ class Store:
             ).fetchone()
         if row is None:
             return "row is gone (settled, purged or never existed)"
-        same_token, started, lapsed = row
+        same_token, started, lapsed, before_restart = row
         if not same_token:
             return "claim token is not the row's current one (row was re-claimed or settled)"
         if started:
             return "attempt already started (redelivered message); the lease decides"
         if lapsed:
             return "lease ran out before delivery began; the row will be claimed again"
+        if before_restart:
+            return (
+                "claimed before Postgres last started, which may have lost this attempt's "
+                "start: the row runs again after its lease, flagged maybe_applied"
+            )
         return "row is not deliverable"
 
     def renew(self, leases: Sequence[tuple[int, UUID, Any]], run_lease: float) -> dict[int, bool]:

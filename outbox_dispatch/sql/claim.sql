@@ -7,13 +7,18 @@
 -- Also turns bitmap scans off for the claim's transaction: a bitmap scan cannot skip the dead
 -- index entries that settled rows leave behind until vacuum (seen: 66k entries, 4.5 ms per
 -- in-flight count), while a plain index scan marks them dead once and then passes them by.
--- The claim commits without waiting for its WAL flush (synchronous_commit off, for this
--- transaction only): a claim lost in a Postgres crash leaves its rows as they were, so its
--- messages carry tokens no row has and are dropped as stale; and the delivery start that
--- needs the claim is itself a synchronous commit, which flushes the claim's WAL with its own.
+-- Which of the claim and the delivery start waits for the WAL flush (policy.starts_flushed):
+-- - starts that flush: the claim does not (synchronous_commit off, this transaction only). A
+--   claim lost in a Postgres crash leaves its rows as they were, its messages carry tokens no
+--   row has and are dropped as stale, and the start that needs the claim flushes its WAL.
+-- - starts that do not flush (the default): the claim does, with the session's setting. A
+--   start lost in a crash then leaves a claim older than the server's start, which the claim
+--   and the start below take as an attempt that may have run (lost).
 SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
        set_config('enable_bitmapscan', 'off', true),
-       set_config('synchronous_commit', 'off', true);
+       set_config('synchronous_commit',
+           CASE WHEN %(flushed_starts)s THEN 'off' ELSE current_setting('synchronous_commit') END,
+           true);
 
 -- name: claim_in_flight
 -- Claimed rows whose lease still runs. A row whose lease ran out is not in flight, started or
@@ -37,7 +42,9 @@ SELECT count(*) FROM (
 -- granted, so the count sees every claim committed before.
 -- A previous claim that never started (its message was lost or came too late) does not count
 -- as an attempt; one that started and never settled was lost mid-run, so the next attempt is
--- marked maybe_applied, and a lost last attempt parks the row instead of running it again
+-- marked maybe_applied, and a lost last attempt parks the row instead of running it again.
+-- Where starts do not flush, a claim older than the server's start counts as started: a
+-- Postgres crash may have lost its start after the handler ran
 -- (returned with no token). Each row is judged from its own columns and found by primary key:
 -- no join, so no plan can turn the claim into a scan per row (a table without statistics
 -- once got a nested loop of sequential scans: 5 s for 2,000 rows). The first column is the
@@ -84,12 +91,14 @@ WITH room AS MATERIALIZED (
             CASE WHEN j.exhausted THEN now() END,
             CASE WHEN j.exhausted THEN o.due_at
                  ELSE clock_timestamp() + make_interval(secs => %(lease)s) END
-        FROM (SELECT o.started_at IS NOT NULL AS lost,
-                     o.started_at IS NOT NULL AND (
+        FROM (SELECT k.lost, k.lost AND (
                          %(park_lost)s OR o.lost_attempts + 1 >= %(max_lost)s::int
                          OR (%(max_attempts)s::int IS NOT NULL
                              AND o.attempts >= %(max_attempts)s::int)
-                     ) AS exhausted) j
+                     ) AS exhausted
+              FROM (SELECT o.started_at IS NOT NULL OR (
+                        NOT %(flushed_starts)s AND o.claim_token IS NOT NULL
+                        AND o.claimed_at < pg_postmaster_start_time()) AS lost) k) j
     )
     WHERE o.id = ANY((SELECT ids FROM chosen)::bigint[])
     RETURNING o.id, o.claim_token, o.command, o.actor, o.attempts, o.claim_token IS NULL,
@@ -123,10 +132,16 @@ ORDER BY rank, due_at, id;
 -- Rows whose actor is at its cap leave the due range for one lease, or until a slot frees.
 -- A lapsed claim they still carried ends here: its token goes (no old worker can renew or
 -- settle a waiting row), an attempt that never started is given back, and a started one keeps
--- started_at, so the claim that takes the row counts it as lost (maybe_applied).
+-- started_at, so the claim that takes the row counts it as lost (maybe_applied). Where starts
+-- do not flush, a claim older than the server's start may have started: it is kept as one.
 UPDATE __SCHEMA__.outbox SET waiting = true, due_at = now() + make_interval(secs => %(lease)s),
-    attempts = CASE WHEN claim_token IS NOT NULL AND started_at IS NULL
+    attempts = CASE WHEN claim_token IS NOT NULL AND started_at IS NULL AND (
+                        %(flushed_starts)s OR claimed_at >= pg_postmaster_start_time())
                     THEN greatest(attempts - 1, 0) ELSE attempts END,
+    started_at = CASE WHEN claim_token IS NOT NULL AND started_at IS NULL
+                           AND NOT %(flushed_starts)s
+                           AND claimed_at < pg_postmaster_start_time()
+                      THEN claimed_at ELSE started_at END,
     claim_token = NULL, claimed_at = NULL
 WHERE id = ANY(%(ids)s::bigint[])
 RETURNING id;

@@ -5,6 +5,10 @@
 -- Delivery start: the token must still hold, the lease must still run and the attempt must
 -- not have started before (a redelivered message of a killed worker waits for the lease).
 -- From here the lease is the heartbeat timeout: a dead worker's row is due again that soon.
+-- Unless the family's starts flush (policy.starts_flushed), the statement commits without
+-- waiting for its WAL flush, the claim before it having waited for its own; then a claim
+-- older than the server's start may not start: a Postgres crash may have lost a start that
+-- ran, so the row waits for its lease and runs again as a lost attempt (maybe_applied).
 -- The same statement settles the row this process delivered just before, if any (one row
 -- deleted, and one kept as done for its family's retention; id 0 for none): that deferred
 -- settle then costs no round trip of its own, and it commits, flushed, before the next
@@ -26,7 +30,7 @@ WITH deleted AS (
     UPDATE __SCHEMA__.outbox SET started_at = now(),
         due_at = now() + make_interval(secs => %(run_lease)s)
     WHERE id = %(id)s AND claim_token = %(token)s AND started_at IS NULL AND due_at > now()
-      AND NOT waiting
+      AND NOT waiting AND (%(flushed)s OR claimed_at >= pg_postmaster_start_time())
     RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
         EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id)
             AS cancel_requested,
@@ -35,7 +39,9 @@ WITH deleted AS (
 SELECT s.family, s.command, s.actor, s.payload, s.attempts, s.maybe_applied, s.dedupe_key,
     s.cancel_requested, s.waited, s.trace_context,
     (SELECT id FROM deleted), (SELECT id FROM done)
-FROM (SELECT) AS one LEFT JOIN started s ON true;
+FROM (SELECT set_config('synchronous_commit',
+          CASE WHEN %(flushed)s THEN current_setting('synchronous_commit') ELSE 'off' END, true)
+      ) AS one LEFT JOIN started s ON true;
 
 -- name: deliver_batch_actors
 -- A batched capped message's rows before the first starts: their commands and actors, so
@@ -45,11 +51,12 @@ WHERE id = ANY(%(ids)s::bigint[]) AND actor IS NOT NULL;
 
 -- name: deliver_explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,
-       due_at <= now() AS lapsed
+       due_at <= now() AS lapsed, claimed_at < pg_postmaster_start_time() AS before_restart
 FROM __SCHEMA__.outbox WHERE id = %(id)s;
 
 -- name: deliver_handback
 -- A delivery that may not start (its cap slot lapsed) returns the row, uncounted, due now.
+-- Only the process whose start just succeeded hands a row back, before its handler ran.
 UPDATE __SCHEMA__.outbox SET claim_token = NULL, claimed_at = NULL, started_at = NULL,
     due_at = now(), attempts = greatest(attempts - 1, 0)
 WHERE id = %(id)s AND claim_token = %(token)s

@@ -142,7 +142,9 @@ def test_the_in_flight_count_does_not_use_a_bitmap_scan(
         )
         conn.execute(f"DELETE FROM \"{dispatcher.schema}\".outbox WHERE command = 'x'")
     with store.connection() as conn, conn.transaction():
-        conn.execute(store.q["claim_lock_family"], {"lock_name": "test.plan"})
+        conn.execute(
+            store.q["claim_lock_family"], {"lock_name": "test.plan", "flushed_starts": False}
+        )
         plan = "\n".join(
             str(r[0])
             for r in conn.execute(
@@ -183,7 +185,13 @@ def big_schema(database_url: str, run_id: str) -> Iterator[str]:
         conn.execute(f'DROP SCHEMA "{name}" CASCADE')
 
 
-LEASE = {"lease": 30.0, "max_attempts": None, "park_lost": False, "max_lost": 5}
+LEASE = {
+    "lease": 30.0,
+    "max_attempts": None,
+    "park_lost": False,
+    "max_lost": 5,
+    "flushed_starts": False,
+}
 
 
 def _claim_plan(store: Store, conn: psycopg.Connection[Any], limit: int) -> str:
@@ -206,7 +214,9 @@ def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema:
     try:
         with store.connection() as conn, conn.transaction():
             # as in a claim: the family lock's statement also sets the claim's plan settings
-            conn.execute(store.q["claim_lock_family"], {"lock_name": "test.plans"})
+            conn.execute(
+                store.q["claim_lock_family"], {"lock_name": "test.plans", "flushed_starts": False}
+            )
             rows = conn.execute(
                 "EXPLAIN (ANALYZE, FORMAT TEXT) " + store.q["claim_capped_candidates"],
                 {"family": "intent", "probe": 2000},

@@ -132,3 +132,13 @@ def test_room_below_the_refill_mark_counts_as_none() -> None:
     assert broker_room(1000, 751, 1) == 0  # three quarters queued: nothing to top up yet
     assert broker_room(3, 2, 1) == 1
     assert broker_room(60, 1, 50) == 0  # one batched message of 50 leaves 10 < 15
+
+
+def test_starts_wait_for_the_disk_only_where_a_lost_one_would_cost_more_than_a_flag() -> None:
+    from outbox_dispatch.policy import LostAttempt, starts_flushed
+
+    plain, parking = Family("plain"), Family("careful", on_lost=LostAttempt.PARK)
+    assert not starts_flushed(plain, False)  # a lost start reruns flagged maybe_applied
+    assert starts_flushed(parking, False)  # it would park rows that never ran
+    assert starts_flushed(None, False)  # a message naming no family: the safe side
+    assert starts_flushed(plain, True)  # a failover to a synchronous standby
