@@ -5,7 +5,7 @@ succeeded, its settle changes nothing the worker needs before it takes the next 
 worker hands it here and moves on. The next delivery start in this process carries it: the
 statement that starts the next attempt first settles the row delivered before it (one row
 deleted, one kept as done; ``Store.start``), so that settle costs no round trip of its own,
-and it is flushed with the start, before the next handler runs. What no start carried within
+and it commits with the start, before the next handler runs. What no start carried within
 ``WINDOW`` (the last row of a burst, low load) this module's thread settles, several rows per
 fenced statement; rows that hold a cap slot within ``SLOT_WINDOW``. A settle that is refused
 (a cancel request arrived, or the claim was lost) goes back to the one-row path, which
