@@ -42,10 +42,9 @@ SELECT count(*) FROM (
 -- granted, so the count sees every claim committed before.
 -- A previous claim that never started (its message was lost or came too late) does not count
 -- as an attempt; one that started and never settled was lost mid-run, so the next attempt is
--- marked maybe_applied, and a lost last attempt parks the row instead of running it again.
--- Where starts do not flush, a claim older than the server's start counts as started: a
--- Postgres crash may have lost its start after the handler ran
--- (returned with no token). Each row is judged from its own columns and found by primary key:
+-- marked maybe_applied, and a lost last attempt parks the row instead of running it again
+-- (returned with no token). Where starts do not flush, a claim older than the server's start
+-- counts as started: a Postgres crash may have lost its start after the handler ran. Each row is judged from its own columns and found by primary key:
 -- no join, so no plan can turn the claim into a scan per row (a table without statistics
 -- once got a nested loop of sequential scans: 5 s for 2,000 rows). The first column is the
 -- room the pick had (NULL when ids were given); a last row with no id carries it even when

@@ -11,7 +11,7 @@
 -- ran, so the row waits for its lease and runs again as a lost attempt (maybe_applied).
 -- The same statement settles the row this process delivered just before, if any (one row
 -- deleted, and one kept as done for its family's retention; id 0 for none): that deferred
--- settle then costs no round trip of its own, and it commits, flushed, before the next
+-- settle then costs no round trip of its own, and it commits with the start, before the next
 -- handler runs. Fenced by token, yielding to a cancel request, as settle_delete and
 -- settle_done are. Scalars, not arrays: the prepared statement's generic plan is its best
 -- (with arrays Postgres re-planned it on every execution, 0.3 ms each).

@@ -17,6 +17,8 @@ capped, ordered with parked rows blocking, ordered with parked rows passing) thr
   handler that kills the worker leaves the successes before it settled (the last by the
   start of the row that killed it) and the rows after it untouched, and the broker
   redelivers the whole message;
+- ``postgres_loses_a_start``: a crash of Postgres loses a stalled attempt's start (which did
+  not wait for the disk) and keeps its claim (which did);
 - ``cancel``: by id (often of a row whose claim is out) or by actor, committed;
 - ``world``: the clock jumps (Postgres by ``store.clock_offset``, Redis slots' scores by the
   same), Redis loses every key, a caps rebuild, maintenance, parked rows retried or purged.
@@ -177,6 +179,7 @@ class Row:
     done: bool
     maybe_applied: bool
     claimed: bool
+    unsure: bool  # claimed before Postgres last started: a crash may have lost its start
     due: float | None  # due_at, epoch seconds; None for infinity
     left: float | None = field(default=None, compare=False)  # due_at - now (+offset)
     settled_for: float | None = field(default=None, compare=False)  # since done or cancelled
@@ -205,6 +208,7 @@ def row(rid: int, family: str = PLAIN, **kw: Any) -> Row:
         "done": False,
         "maybe_applied": False,
         "claimed": False,
+        "unsure": False,
         "due": 0.0,
         "left": -1.0,
         "settled_for": None,
@@ -433,6 +437,7 @@ ROWS_SQL = """
 SELECT id, family, actor, dedupe_key, attempts, claim_token, started_at IS NOT NULL, waiting,
        blocked, parked_at IS NOT NULL, cancelled_at IS NOT NULL, done_at IS NOT NULL,
        maybe_applied, claimed_at IS NOT NULL,
+       coalesce(claim_token IS NOT NULL AND claimed_at < pg_postmaster_start_time(), false),
        CASE WHEN isfinite(due_at) THEN extract(epoch FROM due_at)::float8 END,
        CASE WHEN isfinite(due_at) THEN extract(epoch FROM
             due_at - (now() + make_interval(secs => %(off)s)))::float8 END,
@@ -468,7 +473,7 @@ class Env:
         q = ROWS_SQL.format(schema=f'"{self.schema}"')
         rows: dict[int, Row] = {}
         for rec in self.read.execute(q, {"off": off}).fetchall():
-            r = replace(Row(*rec[:15]), left=rec[15], settled_for=rec[16])
+            r = replace(Row(*rec[:16]), left=rec[16], settled_for=rec[17])
             rows[r.id] = r
         reqs = self.read.execute(f'SELECT row_id FROM "{self.schema}".outbox_cancel').fetchall()
         assert self.d.caps is not None
@@ -651,6 +656,11 @@ class ModelMachine(RuleBasedStateMachine):
         assert msg.actor is not None
         return snap.slots.get((msg.family, msg.actor), {}).get(str(msg.token))
 
+    def unsure(self, r: Row) -> bool:
+        """Whether the row's claim may hide a start a Postgres crash lost: its family's
+        starts do not flush, and it was claimed before the server's start."""
+        return r.unsure and not self.d.store.starts_flushed(FAMILIES[r.family])
+
     def capped(self, msg: Msg) -> bool:
         return FAMILIES[msg.family].per_actor is not None and msg.actor is not None
 
@@ -658,7 +668,7 @@ class ModelMachine(RuleBasedStateMachine):
         """What a delivery's start does with this message: "stale" (begin refuses it),
         "handback" (begun, but its cap slot lapsed), "start", or None (too close to call)."""
         r = snap.rows.get(msg.id)
-        if r is None or r.token != msg.token or r.started or r.waiting:
+        if r is None or r.token != msg.token or r.started or r.waiting or self.unsure(r):
             return "stale"
         assert r.left is not None, f"row {r.id} is claimed at infinity"
         if r.left <= 0:
@@ -826,7 +836,7 @@ class ModelMachine(RuleBasedStateMachine):
             b = before.rows[c.id]
             assert c.token not in self.tokens[c.id], f"row {c.id} claimed under an old token"
             self.tokens[c.id].add(c.token)
-            kept = b.token is not None and not b.started
+            kept = b.token is not None and not b.started and not self.unsure(b)
             assert c.attempts == b.attempts + (0 if kept else 1), (
                 f"row {c.id}: claimed as attempt {c.attempts} after {b.attempts} "
                 f"(token held {b.token is not None}, started {b.started})"
@@ -1101,7 +1111,8 @@ class ModelMachine(RuleBasedStateMachine):
         before = self.snap()
         start = self.predict_start(before, msg)
         fam = self.d.families[msg.family]
-        started = self.d.store.begin(msg.id, msg.token, fam.heartbeat_timeout)
+        flushed = self.d.store.starts_flushed(fam)
+        started = self.d.store.begin(msg.id, msg.token, fam.heartbeat_timeout, flushed=flushed)
         if started is None:
             assert start in ("stale", None), f"{msg}: begin refused, predicted {start}"
             return
@@ -1209,6 +1220,33 @@ class ModelMachine(RuleBasedStateMachine):
             self.maybe_rows.add(msg.id)  # it returned after being told to stop
             assert a is not None and a.maybe_applied
         self.retire(msg.id, msg.token)
+
+    @precondition(lambda self: bool(self.stalls))
+    @rule(i=st.integers(0, 7))
+    def postgres_loses_a_start(self, i: int) -> None:
+        """A crash of Postgres loses a stalled attempt's start, which did not wait for the disk
+        (its family's starts do not flush), while the claim before it, which did, survives:
+        the row is left claimed before the server's start and not started. The attempt may
+        have run, so no message may start the row again (the duplicate and late messages of
+        ``work``), and its next attempt must see maybe_applied. What the crash leaves is
+        written to the row; the shared server is not restarted."""
+        att = self.stalls[i % len(self.stalls)]
+        msg = att.msg
+        if self.d.store.starts_flushed(FAMILIES[msg.family]):
+            return  # its start waited for the disk: no crash loses it
+        b = self.snap().rows.get(msg.id)
+        if b is None or b.token != msg.token or not b.started:
+            return
+        self.env.read.execute(
+            f'UPDATE "{self.env.schema}".outbox SET started_at = NULL, '
+            "claimed_at = pg_postmaster_start_time() - interval '1 second' "
+            "WHERE id = %s AND claim_token = %s",
+            (msg.id, msg.token),
+        )
+        after = self.snap()
+        a = after.rows[msg.id]
+        assert a.unsure and not a.started, a
+        self.check(after)
 
     # -- cancel ---------------------------------------------------------------------------
 
