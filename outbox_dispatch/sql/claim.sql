@@ -11,13 +11,16 @@
 -- - starts that flush: the claim does not (synchronous_commit off, this transaction only). A
 --   claim lost in a Postgres crash leaves its rows as they were, its messages carry tokens no
 --   row has and are dropped as stale, and the start that needs the claim flushes its WAL.
--- - starts that do not flush (the default): the claim does, with the session's setting. A
---   start lost in a crash then leaves a claim older than the server's start, which the claim
---   and the start below take as an attempt that may have run (lost).
+-- - starts that do not flush (the default): the claim does, with the session's setting, or
+--   'local' where that is 'off' (a server that flushes nothing by default would lose both).
+--   A start lost in a crash then leaves a claim older than the server's start, which the
+--   claim and the start below take as an attempt that may have run (lost).
 SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
        set_config('enable_bitmapscan', 'off', true),
        set_config('synchronous_commit',
-           CASE WHEN %(flushed_starts)s THEN 'off' ELSE current_setting('synchronous_commit') END,
+           CASE WHEN %(flushed_starts)s THEN 'off'
+                WHEN current_setting('synchronous_commit') = 'off' THEN 'local'
+                ELSE current_setting('synchronous_commit') END,
            true);
 
 -- name: claim_in_flight

@@ -5,10 +5,11 @@
 -- Delivery start: the token must still hold, the lease must still run and the attempt must
 -- not have started before (a redelivered message of a killed worker waits for the lease).
 -- From here the lease is the heartbeat timeout: a dead worker's row is due again that soon.
--- Unless the family's starts flush (policy.starts_flushed), the statement commits without
--- waiting for its WAL flush, the claim before it having waited for its own; then a claim
--- older than the server's start may not start: a Postgres crash may have lost a start that
--- ran, so the row waits for its lease and runs again as a lost attempt (maybe_applied).
+-- Unless the family's starts flush (policy.starts_flushed: then it waits, as 'local' where
+-- the session says 'off'), the statement commits without waiting for its WAL flush, the
+-- claim before it having waited for its own; then a claim older than the server's start may
+-- not start: a Postgres crash may have lost a start that ran, so the row waits for its lease
+-- and runs again as a lost attempt (maybe_applied).
 -- The same statement settles the row this process delivered just before, if any (one row
 -- deleted, and one kept as done for its family's retention; id 0 for none): that deferred
 -- settle then costs no round trip of its own, and it commits with the start, before the next
@@ -40,7 +41,9 @@ SELECT s.family, s.command, s.actor, s.payload, s.attempts, s.maybe_applied, s.d
     s.cancel_requested, s.waited, s.trace_context,
     (SELECT id FROM deleted), (SELECT id FROM done)
 FROM (SELECT set_config('synchronous_commit',
-          CASE WHEN %(flushed)s THEN current_setting('synchronous_commit') ELSE 'off' END, true)
+          CASE WHEN NOT %(flushed)s THEN 'off'
+               WHEN current_setting('synchronous_commit') = 'off' THEN 'local'
+               ELSE current_setting('synchronous_commit') END, true)
       ) AS one LEFT JOIN started s ON true;
 
 -- name: deliver_batch_actors

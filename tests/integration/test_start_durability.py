@@ -158,15 +158,17 @@ def test_a_row_set_waiting_keeps_a_start_a_crash_may_have_lost(
     assert kept["claim_token"] is None and given_back["claim_token"] is None
 
 
+@pytest.mark.parametrize("server", ["on", "remote_apply", "off"])
 @pytest.mark.parametrize("flushed", [False, True])
 def test_either_the_claim_or_the_start_waits_for_the_flush(
-    flushed: bool, dispatcher: Dispatcher, database_url: str
+    flushed: bool, server: str, dispatcher: Dispatcher, database_url: str
 ) -> None:
     """The claim's transaction and the start's statement set synchronous_commit for
-    themselves: exactly one of the two waits for the disk, whichever the family's starts say."""
-    with psycopg.connect(database_url) as conn:
-        default = str(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
-        assert default != "off"
+    themselves: exactly one of the two waits for the disk, whichever the family's starts say,
+    as the session says (so a synchronous standby is waited for too), or locally where the
+    session's setting (a server's default) flushes nothing."""
+    with psycopg.connect(database_url, options=f"-c synchronous_commit={server}") as conn:
+        default = "local" if server == "off" else server
         conn.execute(
             dispatcher.store.q["claim_lock_family"],
             {"lock_name": f"test.{uuid.uuid4()}", "flushed_starts": flushed},
