@@ -80,7 +80,10 @@ WITH room AS MATERIALIZED (
                  ELSE o.attempts + 1 END,
             o.maybe_applied OR j.lost,
             o.lost_attempts + j.lost::int,
-            CASE WHEN j.lost THEN 'attempt ' || o.attempts
+            CASE WHEN j.lost AND o.started_at IS NULL THEN 'attempt ' || o.attempts
+                     || ' ended without an outcome (claimed before Postgres restarted, which'
+                     || ' may have lost its start)'
+                 WHEN j.lost THEN 'attempt ' || o.attempts
                      || ' ended without an outcome (worker died or lease ran out)'
                  ELSE o.last_error END,
             CASE WHEN j.exhausted THEN NULL
