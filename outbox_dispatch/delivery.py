@@ -351,12 +351,12 @@ class Delivery:
         process (deferred_settles.py): one round trip, and they are settled before this row's
         handler runs."""
         pending = self.deferred.take_for_start()
-        family = self.families.get(family_hint) if family_hint else None
+        family = self.families.get(family_hint) if family_hint else None  # None: unknown
         try:
             started, settled = self.store.start(
                 row_id,
                 token,
-                self._run_lease_for(family_hint),
+                self._run_lease_for(family),
                 carried(pending),
                 flushed=self.store.starts_flushed(family),
             )
@@ -491,11 +491,11 @@ class Delivery:
 
     # -- leases and slots -------------------------------------------------------------------
 
-    def _run_lease_for(self, family_hint: str | None) -> float:
+    def _run_lease_for(self, family: Family | None) -> float:
         # The begin statement sets the running lease before the row's family is known; the
         # queue the message came from names it, else the longest timeout is the safe choice.
-        if family_hint and family_hint in self.families:
-            return self.families[family_hint].heartbeat_timeout
+        if family is not None:
+            return family.heartbeat_timeout
         return max(f.heartbeat_timeout for f in self.families.values())
 
     def _rule(self, started: Started, family: Family) -> CapRule | None:
