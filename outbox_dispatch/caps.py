@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from .caps_release import PipelinedReleases
 from .errors import ConfigurationError, OutboxError
 from .forksafe import ForkSafeLock
 from .logs import event, mask_dsn
@@ -77,6 +78,7 @@ class Caps:
         self._scripts: dict[str, Any] = {}
         # the databases whose claimers take freed slots (None: the first, keys as before)
         self.databases: list[str | None] = [None]
+        self._releases = PipelinedReleases(self)
 
     @property
     def client(self) -> redis.Redis:
@@ -224,30 +226,14 @@ class Caps:
         freed = [self.freed_key(family, d) for d in self.databases]
         return [self.key(family, actor, scope), wake, *freed]
 
-    def release_settled(self, slots: Sequence[Slot], database: str | None = None) -> set[str]:
-        """``release`` for the slots of rows settled together (one round trip); returns the
-        families whose claimer of ``database`` should be woken."""
-        if not slots:
-            return set()
-        calls = [
-            (
-                self._release_keys(s.family, s.actor, s.scope, database),
-                [str(s.token), s.actor, self.wake_ms],
-            )
-            for s in slots
-        ]
-        try:
-            woken = self._pipelined("release", calls)
-        except redis.RedisError as exc:
-            # The slots expire with their leases anyway; the cap stays safe, only slower.
-            event(
-                log,
-                logging.WARNING,
-                "cap_release_failed",
-                f"{_why(exc)}; {len(slots)} slots free when their leases end",
-            )
-            return set()
-        return {s.family for s, w in zip(slots, woken, strict=True) if int(w) == 1}
+    def release_settled(
+        self, slots: Sequence[Slot], database: str | None = None, *, wait: bool = True
+    ) -> set[str]:
+        """``release`` for the slots of rows just settled, sent without waiting for Redis's
+        answers (caps_release.py); returns the families whose claimer of ``database`` should be
+        woken, from the answers read: all of them with ``wait``, else those already in. A
+        failure is logged: the slots expire with their leases, the cap stays safe."""
+        return self._releases.release(slots, database, wait=wait)
 
     def release_many(self, slots: Sequence[Slot]) -> None:
         """Return slots a claim took but did not use (nothing was settled: no freed note)."""
@@ -332,6 +318,14 @@ class Caps:
             todo = missing
         return results
 
+    def script_sha(self, name: str) -> str:
+        _ = self.client  # registers the scripts
+        return str(self._scripts[name].sha)
+
+    def script_text(self, name: str) -> str:
+        _ = self.client
+        return str(self._scripts[name].script)
+
     def _run_list(self, name: str, keys: list[str]) -> list[Any]:
         client = self.client
         try:
@@ -388,6 +382,7 @@ class Caps:
         return [m.decode() if isinstance(m, bytes) else str(m) for m in raw]
 
     def close(self) -> None:
+        self._releases.close()
         for client in (self._client, self._renew_client):
             if client is not None:
                 client.close()

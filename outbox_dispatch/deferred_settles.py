@@ -13,12 +13,12 @@ records it as cancelled or lost.
 
 What this costs: a worker killed between a handler's success and the next start (or the
 thread's statement, at most ``WINDOW`` later) leaves the row started, so it runs again after
-its lease with ``maybe_applied`` set, the same outcome as a kill just before the settle. Rows
-that hold a cap slot are not carried: a slot is given back right after the statement that
-settled its row committed, as on the one-row path, and a start would leave the next handler
-waiting for Redis (or the slot held past its row), so the thread settles them. Ordered rows
-(their settle promotes the actor's next row in the same transaction) and transactional
-handlers (their settle is their commit) are not deferred.
+its lease with ``maybe_applied`` set, the same outcome as a kill just before the settle. A
+row that holds a cap slot gives it back right after the statement that settled it committed,
+before the next handler runs; after a start, the release is written to Redis without waiting
+for its answer (caps_release.py), which the thread, or the end of the message, reads.
+Ordered rows (their settle promotes the actor's next row in the same transaction) and
+transactional handlers (their settle is their commit) are not deferred.
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ class DeferredSettles:
         self,
         store: Store,
         refused: Callable[[SettleKind, Started], None],
-        settled: Callable[[list[Started]], None] = lambda rows: None,
+        settled: Callable[[list[Started], bool], None] = lambda rows, wait: None,
     ) -> None:
         self.store = store
         self.refused = refused  # the one-row settle, for rows the batch statement skipped
-        self.settled = settled  # after the commit: give back the rows' cap slots
+        # after the commit: give back the rows' cap slots (bool: wait for Redis's answers)
+        self.settled = settled
         self._pending: Pending = []
         self._after: list[tuple[SettleKind, Started]] = []  # refused settles a start carried
         self._first_add = 0.0
@@ -96,10 +97,8 @@ class DeferredSettles:
         return batch
 
     def take_for_start(self) -> Pending:
-        """What a start carries: the last pending row of each kind that holds no cap slot (a
-        start settles at most one row of each; a slot is given back right after the statement
-        that settled its row, here by the thread), the rest stays for the thread; see
-        ``landed`` and ``give_back``."""
+        """What a start carries: the last pending row of each kind (a start settles at most
+        one row of each), the rest stays for the thread; see ``landed`` and ``give_back``."""
         with self._lock:
             last = {kind: k for k, (kind, _s, _slot) in enumerate(self._pending)}
             picked = set(last.values())
@@ -124,7 +123,7 @@ class DeferredSettles:
         thread."""
         done = [s for _, s, slot in batch if slot and s.id in settled]
         if done:
-            self.settled(done)
+            self.settled(done, False)  # the next handler does not wait for Redis
         refused = [(kind, s) for kind, s, _ in batch if s.id not in settled]
         if not refused:
             return
@@ -186,8 +185,7 @@ class DeferredSettles:
         path."""
         with self._lock:
             refused, self._after = [*refused, *self._after], []
-        if done:
-            self.settled(done)
+        self.settled(done, True)  # also reads the answers of releases sent before
         for kind, s in refused:
             self.refused(kind, s)
 

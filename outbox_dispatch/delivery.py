@@ -169,6 +169,9 @@ class Delivery:
             shown = repr(args)[:200]
             event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
             results = [Result(Outcome.STALE, None, "garbage message")]
+        # the answers of slot releases sent without waiting: a freed slot's wake must not
+        # wait for this process's next release (a no-op when none is unread)
+        self._release_settled([], True)
         for r in results:
             metrics.outcome(family_hint, r.outcome.value, self.database)
         return results
@@ -398,13 +401,17 @@ class Delivery:
             return Result(Outcome.DELIVERED, started.id)
         return self._finish(started, family, settle, elapsed)
 
-    def _release_settled(self, rows: list[Started]) -> None:
-        """The cap slots of rows the deferred settles just settled (the thread, or the flush at
-        a batched message's end), in one round trip."""
-        if self.caps is None or not rows:
+    def _release_settled(self, rows: list[Started], wait: bool) -> None:
+        """The cap slots of rows the deferred settles just settled, sent in one write; ``wait``
+        (the thread, the flush at a batched message's end): read every answer, so that a
+        freed slot's claim is not left waiting for the next release (caps_release.py)."""
+        if self.caps is None or not (rows or wait):
             return
         slots = [slot for started in rows if (slot := self._slot_of(started)) is not None]
-        for family_name in sorted(self.caps.release_settled(slots, self.caps_database)):
+        if not (slots or wait):
+            return
+        woken = self.caps.release_settled(slots, self.caps_database, wait=wait)
+        for family_name in sorted(woken):
             self.on_slot_freed(family_name)  # a claim lets a waiting row in
 
     def _settle_refused(self, kind: SettleKind, started: Started) -> None:

@@ -330,10 +330,10 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
 
     ours = {c.token for c in claimed}  # the session worker may settle other rows meanwhile
 
-    def release_settled(slots: Any, database: Any = None) -> set[str]:
+    def release_settled(slots: Any, database: Any = None, *, wait: bool = True) -> set[str]:
         if n := sum(s.token in ours for s in slots):
             calls.append(n)
-        return real(slots, database)
+        return real(slots, database, wait=wait)
 
     def counted_settle_many(kind: Any, pairs: Any) -> set[int]:
         if n := sum(token in ours for _, token in pairs):

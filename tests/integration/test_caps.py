@@ -394,3 +394,53 @@ def test_pipelined_scripts_work_as_a_fresh_process_s_first_call_and_after_a_scri
     assert 4000 <= again[0] <= left[0] and again[1] == 0  # not extended; "b" holds nothing
     assert fresh.release_settled([slot]) == {"f"}
     assert fresh.holders("f", "a") == []
+
+
+def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
+    caps_url: str, run_id: str
+) -> None:
+    """A release on the delivery path is written without waiting for Redis's answer
+    (caps_release.py): the slot is free once Redis has read it, and the answer that says
+    "wake the claimer" is not lost, only read later, with the next release that waits."""
+    caps = Caps(caps_url, f"t{run_id}async")
+    caps.restore([])
+    slots = [Slot("f", f"a{i}", uuid.uuid4(), 1) for i in range(3)]
+    assert caps.acquire_many(slots, lease=30) == [True] * 3
+    woken = caps.release_settled(slots[:2], wait=False)  # what arrived by now, maybe nothing
+    woken |= caps.release_settled([slots[2]], wait=True)  # reads every answer
+    assert woken == {"f"}  # the first release of the window asked for a claim
+    assert all(caps.holders("f", s.actor) == [] for s in slots)
+    again = Slot("f", "a0", uuid.uuid4(), 1)  # the freed slot can be taken again
+    assert caps.acquire_many([again], lease=30) == [True]
+    assert caps.release_settled([], wait=True) == set()  # nothing unread: no round trip
+    caps.close()
+
+
+def test_a_release_sent_before_redis_lost_its_scripts_runs_again_once(
+    caps_url: str, run_id: str
+) -> None:
+    """Releases written while Redis has lost its scripts (SCRIPT FLUSH, a failover) answer
+    NOSCRIPT: each runs again the slow way, which loads the script, and frees its slot."""
+    caps = Caps(caps_url, f"t{run_id}flush")
+    caps.restore([])
+    first, second = Slot("f", "a", uuid.uuid4(), 2), Slot("f", "a", uuid.uuid4(), 2)
+    assert caps.acquire_many([first, second], lease=30) == [True, True]
+    assert caps.release_settled([first], wait=True) == {"f"}  # the connection is open now
+    redis.Redis.from_url(caps_url).script_flush()
+    caps.release_settled([second], wait=True)
+    assert caps.holders("f", "a") == []
+    freed = redis.Redis.from_url(caps_url).hget(caps.freed_key("f"), "a")
+    assert freed == b"2"  # each release counted once, for the claimer to let two rows in
+    caps.close()
+
+
+def test_a_release_that_cannot_reach_redis_is_logged_and_the_slot_expires(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis unreachable: the release says so in the log and returns; the slot runs out with
+    its lease (the cap stays safe), and the delivery goes on."""
+    caps = Caps("redis://127.0.0.1:1/0", "tdown")
+    with caplog.at_level("WARNING", logger="outbox_dispatch.caps_release"):
+        assert caps.release_settled([Slot("f", "a", uuid.uuid4(), 1)], wait=False) == set()
+    assert "slots free when their leases end" in caplog.text
+    caps.close()
