@@ -304,31 +304,39 @@ class Store:
     ) -> ClaimResult:
         """A claim for a family with per-actor caps. ``decide`` picks rows and takes their
         cap slots while the candidates are locked; the shared caps lock is held to commit so a
-        rebuild of the semaphores sees every claim that took slots. ``freed`` first makes that
-        many waiting rows of each actor due again."""
+        rebuild of the semaphores sees every claim that took slots. ``freed``: that many
+        waiting rows of each actor are offered first, and leased straight from waiting when
+        they get a slot; those the claim has no room for come due now."""
         with (
             translated(f"claim of family {family.name}"),
             self._starting() as conn,
             conn.transaction(),
         ):
             conn.execute(self.q["caps_lock_shared"], {"lock_name": f"{self.schema}.caps"})
+            waiting: list[Candidate] = []
             if freed:
-                conn.execute(
-                    self.q["claim_promote_freed"],
+                picked = conn.execute(
+                    self.q["claim_freed_waiting"],
                     {"family": family.name, "actors": list(freed), "counts": list(freed.values())},
-                )
+                ).fetchall()
+                waiting = [Candidate(int(r[0]), r[1], r[2], 1) for r in picked]
             limit = self._claim_limit(conn, family, batch)
-            if limit == 0:
-                return ClaimResult(family.name, [], [], 0)
-            found = conn.execute(
-                self.q["claim_capped_candidates"],
-                {"family": family.name, "probe": max(4 * limit, 100)},
-            ).fetchall()
+            found = (
+                conn.execute(
+                    self.q["claim_capped_candidates"],
+                    {"family": family.name, "probe": max(4 * limit, 100)},
+                ).fetchall()
+                if limit
+                else []
+            )
             candidates = [Candidate(int(r[0]), r[1], r[2], int(r[3])) for r in found]
-            take, wait = decide(candidates, limit)
+            take, wait = decide(waiting + candidates, limit) if limit else ([], [])
             ids, tokens = [i for i, _ in take], [t for _, t in take]
             leased = self._lease(conn, family, ids, tokens).fetchall() if ids else []
             rows = [r[1:] for r in leased if r[1] is not None]
+            # a freed row refused a slot (another row took it) stays waiting as it is
+            held = {c.id for c in waiting}.intersection(wait)
+            wait = [i for i in wait if i not in held]
             if wait:
                 conn.execute(
                     self.q["claim_mark_waiting"],
@@ -338,6 +346,9 @@ class Store:
                         "flushed_starts": self.starts_flushed(family),
                     },
                 )
+            answered = set(ids) | held  # leased, or refused a slot
+            if no_room := [c.id for c in waiting if c.id not in answered]:
+                conn.execute(self.q["claim_promote"], {"ids": no_room})
         result = _claim_result(family.name, rows, limit)
         return replace(result, waiting=len(wait))
 

@@ -1,6 +1,6 @@
 -- The claim, in the order it runs: lock the family, count what is in flight, pick due rows
 -- (capped families: rank candidates per actor), lease them; rows whose actor is at its cap
--- are set waiting, and rows freed by settles come due again first.
+-- are set waiting, and waiting rows whose actor freed a slot are offered first.
 
 -- name: claim_lock_family
 -- Serializes one family's claims so the in-flight count cannot race; released at commit.
@@ -151,24 +151,28 @@ UPDATE __SCHEMA__.outbox SET waiting = true, due_at = now() + make_interval(secs
 WHERE id = ANY(%(ids)s::bigint[])
 RETURNING id;
 
--- name: claim_promote_freed
--- Each slot freed since the last claim makes one waiting row of its actor due now (oldest
--- first), so the claim that follows can take it.
-UPDATE __SCHEMA__.outbox o SET waiting = false, due_at = now()
-FROM (
-    SELECT w.id
-    FROM unnest(%(actors)s::text[], %(counts)s::int[]) AS f(actor, n)
-    CROSS JOIN LATERAL (
-        SELECT id FROM __SCHEMA__.outbox
-        WHERE family = %(family)s AND actor = f.actor AND waiting
-          AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
-        ORDER BY id
-        LIMIT f.n
-        FOR UPDATE SKIP LOCKED
-    ) w
-) p
-WHERE o.id = p.id
-RETURNING o.id;
+-- name: claim_freed_waiting
+-- Each slot freed since the last claim picks one waiting row of its actor (oldest first),
+-- locked as it is read: the claim offers them first, and leases those that get a slot
+-- straight from waiting, so a freed slot costs its row no update of its own (as a promotion
+-- to due and a second probe did: a quarter of a capped backlog's row updates).
+SELECT w.id, f.actor, w.command
+FROM unnest(%(actors)s::text[], %(counts)s::int[]) AS f(actor, n)
+CROSS JOIN LATERAL (
+    SELECT id, command FROM __SCHEMA__.outbox
+    WHERE family = %(family)s AND actor = f.actor AND waiting
+      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+    ORDER BY id
+    LIMIT f.n
+    FOR UPDATE SKIP LOCKED
+) w
+ORDER BY w.id;
+
+-- name: claim_promote
+-- Freed-slot rows a claim had no room for come due now, ahead of the next claim's probe.
+UPDATE __SCHEMA__.outbox SET waiting = false, due_at = now()
+WHERE id = ANY(%(ids)s::bigint[]) AND waiting
+RETURNING id;
 
 -- name: claim_request
 -- Ask the commit listener for a claim of a family now (a cap slot freed), as a commit does.

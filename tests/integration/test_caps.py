@@ -444,3 +444,27 @@ def test_a_release_that_cannot_reach_redis_is_logged_and_the_slot_expires(
         assert caps.release_settled([Slot("f", "a", uuid.uuid4(), 1)], wait=False) == set()
     assert "slots free when their leases end" in caplog.text
     caps.close()
+
+
+def test_a_freed_slots_waiting_row_the_claim_has_no_room_for_comes_due_at_once(
+    capped: Dispatcher, record: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """Waiting rows whose actor freed a slot are offered first and leased straight from
+    waiting; one the claim has no room for (its batch is full) comes due now instead of
+    after its waiting lease, so the next claim takes it without another freed slot."""
+    name = f"room{uuid.uuid4().hex[:6]}"
+    capped.family(name, per_actor=1, lease=30)
+    cmd = record(name)
+    a1, a2, b1, b2 = _enqueue(
+        capped, database_url, [Message(cmd, {}, actor=x) for x in ("A", "A", "B", "B")]
+    )
+    fam = capped.families[name]
+    first = capped.claimer.claim_family(fam)
+    assert sorted(c.id for c in first.claimed) == [a1, b1] and first.waiting == 2
+    for c in first.claimed:
+        assert capped.delivery.deliver(c.id, c.token).outcome is Outcome.DELIVERED
+    one = capped.claimer.claim_family(fam, batch=1)  # both actors freed a slot; room for one
+    assert [c.id for c in one.claimed] == [a2] and one.waiting == 0
+    assert count_rows(database_url, schema, f"id = {b2} AND NOT waiting AND due_at <= now()")
+    rest = capped.claimer.claim_family(fam)  # no slot freed since
+    assert [c.id for c in rest.claimed] == [b2]
