@@ -5,7 +5,8 @@ Results are plain dataclasses so ``--json`` and the plot read the same figures t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from outbox_dispatch.tables import table
@@ -33,6 +34,7 @@ class Throughput:
     seconds: float
     produce_seconds: float = 0.0  # the producer's part of ``seconds``
     cpu_ms: dict[str, float] = field(default_factory=dict)  # CPU per row by process group
+    runs: list[float] = field(default_factory=list)  # rows/s of each round (0: it failed)
 
     @property
     def per_second(self) -> float:
@@ -50,6 +52,8 @@ class Latency:
     p50_ms: float
     p99_ms: float
     max_ms: float
+    p50_runs: list[float] = field(default_factory=list)  # each round's, when repeated
+    p99_runs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -182,6 +186,50 @@ def growth_pct(before: float, after: float) -> float:
     return (after - before) / before * 100.0 if before > 0 else 0.0
 
 
+def median_throughput(rounds: list[Throughput | None]) -> Throughput | None:
+    """One scenario's figure over repeated rounds: the round with the median rows/s (its CPU
+    too), carrying every round's rows/s in ``runs`` (0 for a round that failed), so that
+    ratios can be taken round by round, between systems measured minutes apart at most."""
+    ran = [t for t in rounds if t is not None]
+    if not ran:
+        return None
+    ordered = sorted(ran, key=lambda t: t.per_second)
+    middle = ordered[(len(ordered) - 1) // 2]
+    runs = [round(t.per_second, 1) if t is not None else 0.0 for t in rounds]
+    return replace(middle, runs=runs)
+
+
+def median_latency(rounds: list[Latency]) -> Latency | None:
+    """One scenario's latency at one rate over repeated rounds: the median p50 and p99 of
+    the rounds (each its own 10 s window), and the largest max."""
+    if not rounds:
+        return None
+    p50s, p99s = [x.p50_ms for x in rounds], [x.p99_ms for x in rounds]
+    return replace(
+        rounds[0],
+        rows=sum(x.rows for x in rounds),
+        p50_ms=round(statistics.median(p50s), 1),
+        p99_ms=round(statistics.median(p99s), 1),
+        max_ms=max(x.max_ms for x in rounds),
+        p50_runs=p50s if len(rounds) > 1 else [],
+        p99_runs=p99s if len(rounds) > 1 else [],
+    )
+
+
+def round_ratios(ours: Throughput, theirs: Throughput) -> list[float]:
+    """``ours / theirs`` in each round both ran; one ratio of their figures when not
+    repeated (or from a bench.json written before rounds)."""
+    if ours.runs and len(ours.runs) == len(theirs.runs):
+        return [a / b for a, b in zip(ours.runs, theirs.runs, strict=True) if a > 0 and b > 0]
+    return [ours.per_second / theirs.per_second] if theirs.per_second > 0 else []
+
+
+def median_ratio(ours: Throughput, theirs: Throughput) -> str:
+    """The median of the rounds' ratios as the tables show it (``-``: none to take)."""
+    ratios = round_ratios(ours, theirs)
+    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
+
+
 def ratio(ours: float, theirs: float) -> str:
     """``ours / theirs`` as shown in the tables: ``2.50x``, or ``-`` when nothing to divide."""
     return f"{ours / theirs:.2f}x" if ours > 0 and theirs > 0 else "-"
@@ -201,11 +249,15 @@ def throughput_table(figures: list[Throughput], baseline: str = PLAIN) -> str:
             "seconds": f"{f.seconds:.2f}",
             "producing s": f"{f.produce_seconds:.2f}",
             "rows/s": f"{f.per_second:,.0f}",
-            "vs plain Celery": ratio(f.per_second, base.per_second) if base else "-",
+            "vs plain Celery": median_ratio(f, base) if base else "-",
         }
         for f in figures
     ]
     columns = ["scenario", "system", "rows", "seconds", "producing s", "rows/s"]
+    if any(len(f.runs) > 1 for f in figures):  # repeated: every round's rows/s, in order
+        for row, f in zip(rows, figures, strict=True):
+            row["rounds"] = " ".join(f"{r:,.0f}" for r in f.runs)
+        columns.append("rounds")
     return table(rows, [*columns, "vs plain Celery"])
 
 
@@ -231,9 +283,8 @@ def peer_ratios(figures: list[Throughput]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"peer": f.system, "peer rows/s": round(f.per_second, 1)}
         for label, scenario in (("default", DEFAULT), ("batch=1", PER_ROW)):
             ours = by.get(scenario)
-            row[f"{label} ours/theirs"] = (
-                round(ours.per_second / f.per_second, 2) if ours and f.per_second > 0 else None
-            )
+            ratios = round_ratios(ours, f) if ours else []
+            row[f"{label} ours/theirs"] = round(statistics.median(ratios), 2) if ratios else None
         out.append(row)
     return out
 
@@ -259,10 +310,13 @@ def goals(results: Results) -> list[dict[str, Any]]:
 
     def throughput(goal: str, ours: str, theirs: str, target: float) -> None:
         a, b = by.get(ours), by.get(theirs)
-        value = a.per_second / b.per_second if a and b and b.per_second > 0 else None
-        out.append(
-            _goal(goal, f">= {target:.1f}x", value, None if value is None else value >= target, "x")
-        )
+        ratios = round_ratios(a, b) if a and b else []
+        value = statistics.median(ratios) if ratios else None
+        met = None if value is None else value >= target
+        row = _goal(goal, f">= {target:.1f}x", value, met, "x")
+        if len(ratios) > 1:  # the median of the rounds' ratios, and their range
+            row["measured"] += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+        out.append(row)
 
     throughput("1. default family vs plain Celery delay()", DEFAULT, PLAIN, 2.0)
     throughput("1. default family vs django-celery-outbox", DEFAULT, DCO, 2.0)
@@ -338,7 +392,14 @@ def _x(value: float | None) -> str:
 
 def latency_table(latency: list[Latency]) -> str:
     rows = [asdict(x) | {"scenario": f"{x.scenario} @ {x.pace}/s"} for x in latency]
-    return table(rows, ["scenario", "system", "rows", "p50_ms", "p99_ms", "max_ms"])
+    columns = ["scenario", "system", "rows", "p50_ms", "p99_ms", "max_ms"]
+    if any(x.p50_runs for x in latency):  # repeated: each round's p50 / p99
+        for row, x in zip(rows, latency, strict=True):
+            row["rounds p50 / p99"] = " ".join(
+                f"{a:g}/{b:g}" for a, b in zip(x.p50_runs, x.p99_runs, strict=True)
+            )
+        columns.append("rounds p50 / p99")
+    return table(rows, columns)
 
 
 def rss_table(rss: list[RssGrowth]) -> str:

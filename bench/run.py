@@ -54,9 +54,13 @@ from bench.report import (
     UNCAPPED_1,
     Backpressure,
     ClaimCostRow,
+    Latency,
     Results,
     RssGrowth,
     RssSample,
+    Throughput,
+    median_latency,
+    median_throughput,
     render,
     results_from_json,
 )
@@ -88,6 +92,7 @@ class Options:
     bp_lease: float = 5.0
     quick: bool = False
     replot: str = ""
+    repeat: int = 3  # rounds of the throughput and latency scenarios (this machine is noisy)
 
 
 QUICK = {
@@ -98,6 +103,7 @@ QUICK = {
     "rss_rows": 3_000,
     "rss_warmup": 500,
     "bp_rows": 600,
+    "repeat": 1,
 }
 
 
@@ -115,6 +121,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--skip", default="", help="comma-separated scenarios to leave out")
     p.add_argument("--peers", default=",".join(PEERS), help=f"subset of {','.join(PEERS)}, or ''")
     p.add_argument("--rows", type=int, help=f"rows per throughput scenario ({d.rows})")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        help=f"rounds of every throughput and latency scenario, interleaved ({d.repeat}); "
+        "the tables show each one's median and the goals the median of the rounds' ratios",
+    )
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--pool", default=d.pool, choices=["prefork", "threads"])
     p.add_argument("--paces", help="offered rows/s for latency, comma-separated (50,200)")
@@ -162,7 +174,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         a.bp_max_in_flight,
         a.bp_lease,
     )
-    for name in ("rows", "latency_seconds", "claim_stored", "rss_rows", "rss_warmup", "bp_rows"):
+    names = ("rows", "latency_seconds", "claim_stored", "rss_rows", "rss_warmup", "bp_rows")
+    for name in (*names, "repeat"):
         if getattr(a, name) is not None:
             setattr(o, name, getattr(a, name))
     if a.paces:
@@ -171,6 +184,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         o.rss_warmup = max(1, o.rss_rows // 10)
     if o.rss_warmup >= o.rss_rows:
         p.error("--rss-warmup must be below --rss-rows")
+    if o.repeat < 1:
+        p.error("--repeat must be at least 1")
     return o
 
 
@@ -498,6 +513,7 @@ def run(o: Options) -> Results:
             "lease": o.bp_lease,
         },
         "quick": o.quick,
+        "repeat": o.repeat,
     }
     P.say(f"bench: {', '.join(o.scenarios)}; worker -P {o.pool} -c {o.concurrency}")
     P.say(f"bench: process logs in {logdir}")
@@ -522,27 +538,36 @@ def run(o: Options) -> Results:
         order = [*(systems if "throughput" in o.scenarios else []), *peer_systems]
         if "latency" in o.scenarios:  # the latency baseline and per-row outbox, even alone
             order += [s for s in systems if s.paced is not None and s not in order]
-        latencies = []
+        # every scenario once per round, the rounds one after another: a scenario and its
+        # baseline are minutes apart at most, whatever the machine's other load does meanwhile
+        figures: dict[str, list[Throughput | None]] = {s.scenario: [] for s in order}
+        rounds: dict[tuple[str, int], list[Latency]] = {}
+        for n in range(o.repeat):
+            if o.repeat > 1:
+                P.say(f"round {n + 1} of {o.repeat}")
+            for s in order:
+                P.clean_redis(r)
+                measured = attempt(
+                    results,
+                    s.scenario,
+                    partial(
+                        P.measure,
+                        s,
+                        r,
+                        logdir,
+                        rows=o.rows if ("throughput" in o.scenarios or s in peer_systems) else 0,
+                        paces=o.paces if "latency" in o.scenarios else (),
+                        seconds=o.latency_seconds,
+                    ),
+                )
+                figure, lat = measured if measured is not None else (None, [])
+                figures[s.scenario].append(figure)
+                for x in lat:
+                    rounds.setdefault((x.scenario, x.pace), []).append(x)
         for s in order:
-            P.clean_redis(r)
-            measured = attempt(
-                results,
-                s.scenario,
-                partial(
-                    P.measure,
-                    s,
-                    r,
-                    logdir,
-                    rows=o.rows if ("throughput" in o.scenarios or s in peer_systems) else 0,
-                    paces=o.paces if "latency" in o.scenarios else (),
-                    seconds=o.latency_seconds,
-                ),
-            )
-            if measured is not None:
-                figure, lat = measured
-                if figure is not None:
-                    results.throughput.append(figure)
-                latencies += lat
+            if (t := median_throughput(figures[s.scenario])) is not None:
+                results.throughput.append(t)
+        latencies = [m for xs in rounds.values() if (m := median_latency(xs)) is not None]
         rank = {s.scenario: i for i, s in enumerate(order)}
         results.latency = sorted(latencies, key=lambda x: (x.pace, rank[x.scenario]))
 

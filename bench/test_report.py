@@ -21,6 +21,9 @@ from bench.report import (
     Throughput,
     goals,
     growth_pct,
+    latency_table,
+    median_latency,
+    median_throughput,
     peer_ratios,
     peer_table,
     percentile,
@@ -207,6 +210,42 @@ def test_options_quick_only_and_sizes() -> None:
         parse_args(["--only", "nonsense"])
     with pytest.raises(SystemExit):
         parse_args(["--rss-rows", "100", "--rss-warmup", "100"])
+    assert (full.repeat, quick.repeat, parse_args(["--repeat", "5"]).repeat) == (3, 1, 5)
+    with pytest.raises(SystemExit):
+        parse_args(["--repeat", "0"])
+
+
+def test_repeated_rounds_give_each_scenario_its_median_and_each_goal_the_rounds_ratios() -> None:
+    """Three rounds: a scenario's figure is its median round (with every round's rows/s),
+    and a goal's ratio is the median of the ratios taken round by round, not the ratio of
+    two medians that may come from different rounds."""
+    plain = [Throughput("celery delay()", "celery", 1000, s) for s in (1.0, 2.0, 1.25)]
+    ours = [Throughput(DEFAULT, "outbox", 1000, s, 0.1, {"total": s}) for s in (0.4, 1.0, 0.5)]
+    base, mine = median_throughput([*plain]), median_throughput([*ours])
+    assert base is not None and mine is not None
+    assert base.runs == [1000.0, 500.0, 800.0] and base.per_second == 800.0
+    assert mine.runs == [2500.0, 1000.0, 2000.0] and mine.cpu_ms == {"total": 0.5}
+    by_goal = {g["goal"]: g for g in goals(Results(throughput=[base, mine]))}
+    # round ratios 2.5, 2.0, 2.5: median 2.5 (the medians' ratio would say 2000/800 = 2.5 too,
+    # but the range shows how far the rounds went)
+    assert by_goal["1. default family vs plain Celery delay()"]["measured"] == "2.50x (2.00-2.50)"
+    table = throughput_table([base, mine])
+    assert "2,500 1,000 2,000" in table and "2.50x" in table
+    failed = median_throughput([None, plain[1], None])
+    assert failed is not None and failed.runs == [0.0, 500.0, 0.0]
+    assert median_throughput([None, None]) is None
+
+
+def test_repeated_latency_rounds_take_the_median_p50_and_p99() -> None:
+    rounds = [
+        Latency(DEFAULT, "outbox", 50, 500, p50, p99, mx)
+        for p50, p99, mx in ((4.0, 9.0, 12.0), (3.0, 30.0, 41.0), (5.0, 7.0, 8.0))
+    ]
+    m = median_latency(rounds)
+    assert m is not None
+    assert (m.rows, m.p50_ms, m.p99_ms, m.max_ms) == (1500, 4.0, 9.0, 41.0)
+    assert "4/9 3/30 5/7" in latency_table([m])
+    assert median_latency([]) is None
 
 
 def test_cpu_groups_follow_the_process_tree_and_count_reaped_children() -> None:
