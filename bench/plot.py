@@ -62,19 +62,33 @@ def plot(results: Results, path: str | Path) -> bool:
         figs = results.throughput[::-1]  # first scenario on top
         names = [f.scenario for f in figs]
         values = [f.per_second for f in figs]
-        bars = ax.barh(names, values, color=[COLORS.get(f.system, "#999999") for f in figs])
-        for bar, v in zip(bars, values, strict=True):
+        # repeated rounds: a whisker from the slowest to the fastest round
+        spans = [[r for r in f.runs if r > 0] or [f.per_second] for f in figs]
+        whiskers = [
+            [v - min(s) for v, s in zip(values, spans, strict=True)],
+            [max(s) - v for v, s in zip(values, spans, strict=True)],
+        ]
+        bars = ax.barh(
+            names,
+            values,
+            color=[COLORS.get(f.system, "#999999") for f in figs],
+            xerr=whiskers if any(len(s) > 1 for s in spans) else None,
+            error_kw={"ecolor": "#333333", "capsize": 2, "lw": 0.8},
+        )
+        for bar, v, span in zip(bars, values, spans, strict=True):
             ax.text(
-                bar.get_width(),
+                max(span),  # past the whisker
                 bar.get_y() + bar.get_height() / 2,
                 f" {v:,.0f}",
                 va="center",
                 fontsize=8,
             )
         rows = results.throughput[0].rows
-        ax.set_title(f"throughput, {rows:,} no-op rows (rows/s, higher is better)")
+        rounds = max(len(s) for s in spans)
+        shown = f"median of {rounds} rounds, " if rounds > 1 else ""
+        ax.set_title(f"throughput, {rows:,} no-op rows ({shown}rows/s, higher is better)")
         ax.set_xlabel("rows/s")
-        ax.set_xlim(0, max(values) * 1.18 if values else 1)
+        ax.set_xlim(0, max(max(s) for s in spans) * 1.18 if values else 1)
         ax.grid(axis="x", alpha=0.3)
     if results.latency:
         ax = axes[0][col]
