@@ -3,8 +3,9 @@
 A semaphore is a sorted set of holder tokens (the rows' claim tokens) scored by lease end in
 Redis server time, so a holder that dies simply expires; a counter with a TTL would leak. The
 scripts are loaded once and run by SHA. Keys carry a hash tag per actor, so on Redis Cluster
-one actor's keys share a slot; the completeness sentinel is checked inside the acquire script
-and therefore needs a single Redis (or a primary with replicas), not a cluster.
+one actor's keys share a slot; but the acquire script checks the completeness sentinel and
+takes a whole claim's slots, of many actors, in one run, and therefore needs a single Redis
+(or a primary with replicas), not a cluster.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ SCRIPTS = {  # lua/: one script per step a slot goes through
     "restore": "caps_restore.lua",
     "take_freed": "caps_take_freed.lua",
 }
+
+# Slots per script run of a claim's acquire or a message's slot check: a run holds Redis
+# while it loops (a few microseconds a slot).
+ACQUIRE_CHUNK = 100
 
 # A heartbeat's slot renewal gives up this soon (a partition must not hang the heartbeat
 # thread past the slot's end): the holder can then stop before its slot runs out.
@@ -126,21 +131,24 @@ class Caps:
             ) from exc
 
     def acquire_many(self, slots: Sequence[Slot], lease: float) -> list[bool]:
-        """One round trip for every slot of a claim; raises CapsIncomplete after a data loss."""
+        """One round trip for every slot of a claim, one script run per ``ACQUIRE_CHUNK``
+        slots (each run holds Redis while it loops); raises CapsIncomplete after a data loss."""
         if not slots:
             return []
         ms = int(lease * 1000)
-        calls = [
-            ([self.key(s.family, s.actor, s.scope), self.sentinel], [str(s.token), s.cap, ms])
-            for s in slots
-        ]
+        calls = []
+        for at in range(0, len(slots), ACQUIRE_CHUNK):
+            chunk = slots[at : at + ACQUIRE_CHUNK]
+            keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
+            calls.append((keys, [ms, *(x for s in chunk for x in (str(s.token), s.cap))]))
         try:
-            results = [int(r) for r in self._pipelined("acquire", calls)]
+            answers = self._pipelined("acquire", calls)
         except redis.RedisError as exc:
             raise CapsUnavailable(
                 f"cap acquire failed: Redis at {mask_dsn(self.redis_url)} answered {_why(exc)}; "
                 "capped rows wait in Postgres until it is back"
             ) from exc
+        results = [int(r) for answer in answers for r in answer]
         if any(r == -1 for r in results):
             # Slots granted before the sentinel check failed are released by the caller's
             # rollback path: it releases every slot of the claim.
@@ -167,18 +175,20 @@ class Caps:
         )
 
     def bound_many(self, slots: Sequence[Slot], lease: float) -> list[int]:
-        """Before a batched message's rows start (one round trip): bound each held slot to end
-        within ``lease`` without extending it (caps_bound.lua); each the ms it has left, 0
-        lapsed, -1 semaphores being rebuilt. ``Slot.cap`` is not used."""
+        """Before a batched message's rows start (one round trip, a script run per
+        ``ACQUIRE_CHUNK`` slots): bound each held slot to end within ``lease`` without
+        extending it (caps_bound.lua); each the ms it has left, 0 lapsed, -1 semaphores being
+        rebuilt. ``Slot.cap`` is not used."""
         if not slots:
             return []
         ms = int(lease * 1000)
-        calls = [
-            ([self.key(s.family, s.actor, s.scope), self.sentinel], [str(s.token), ms])
-            for s in slots
-        ]
+        calls = []
+        for at in range(0, len(slots), ACQUIRE_CHUNK):
+            chunk = slots[at : at + ACQUIRE_CHUNK]
+            keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
+            calls.append((keys, [ms, *(str(s.token) for s in chunk)]))
         try:
-            return [int(r) for r in self._pipelined("bound", calls)]
+            return [int(r) for answer in self._pipelined("bound", calls) for r in answer]
         except redis.RedisError as exc:
             raise CapsUnavailable(f"cap slot check failed: {_why(exc)}") from exc
 

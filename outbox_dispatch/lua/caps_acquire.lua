@@ -1,23 +1,35 @@
--- Take a cap slot. KEYS[1] the actor's semaphore (sorted set: holder token -> lease end, ms),
--- KEYS[2] the "semaphores are complete" sentinel. ARGV: token, cap, lease ms.
--- Returns 1 granted (or renewed: the token already holds a slot), 0 at cap, -1 when the
--- sentinel is missing (Redis lost its data): the caller must rebuild before claiming.
-if redis.call('EXISTS', KEYS[2]) == 0 then
-    return -1
+-- Take the cap slots of a claim's rows, in order, in one script run (a run per slot cost the
+-- claim a script call each). KEYS[1] the "semaphores are complete" sentinel, KEYS[2..] each
+-- slot's semaphore (a sorted set: holder token -> lease end, ms; an actor's may repeat).
+-- ARGV: lease ms, then token and cap per slot. Expired holders are dropped first.
+-- Returns a list: per slot 1 granted (or renewed: the token already holds it), 0 at cap; or
+-- the one-element list {-1} when the sentinel is missing (Redis lost its data): the caller
+-- must rebuild before claiming.
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    return {-1}
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease = tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-    redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
-    return 1
-end
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
-    redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
-    if redis.call('PTTL', KEYS[1]) < lease * 2 then
-        redis.call('PEXPIRE', KEYS[1], lease * 2)
+local lease = tonumber(ARGV[1])
+local granted = {}
+local swept = {}
+for i = 2, #KEYS do
+    local key, token, cap = KEYS[i], ARGV[2 * i - 2], tonumber(ARGV[2 * i - 1])
+    if not swept[key] then
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+        swept[key] = true
     end
-    return 1
+    if redis.call('ZSCORE', key, token) then
+        redis.call('ZADD', key, now + lease, token)
+        granted[i - 1] = 1
+    elseif redis.call('ZCARD', key) < cap then
+        redis.call('ZADD', key, now + lease, token)
+        if redis.call('PTTL', key) < lease * 2 then
+            redis.call('PEXPIRE', key, lease * 2)
+        end
+        granted[i - 1] = 1
+    else
+        granted[i - 1] = 0
+    end
 end
-return 0
+return granted

@@ -468,3 +468,34 @@ def test_a_freed_slots_waiting_row_the_claim_has_no_room_for_comes_due_at_once(
     assert count_rows(database_url, schema, f"id = {b2} AND NOT waiting AND due_at <= now()")
     rest = capped.claimer.claim_family(fam)  # no slot freed since
     assert [c.id for c in rest.claimed] == [b2]
+
+
+def test_a_claims_slots_are_taken_in_order_in_script_runs_of_a_hundred(
+    caps_url: str, run_id: str
+) -> None:
+    """A claim's slots go in one round trip, a script run per hundred: an actor's slots are
+    judged in order across the runs' boundary (its cap counts what earlier runs granted), and
+    a token that already holds its slot is renewed, not counted twice. A batched message's
+    slot check runs the same way."""
+    caps = Caps(caps_url, f"t{run_id}many")
+    caps.restore([])
+    slots = [Slot("f", f"a{i}", uuid.uuid4(), 1) for i in range(98)]
+    slots += [Slot("f", "x", uuid.uuid4(), 3) for _ in range(5)]  # slots 98-102
+    slots += [Slot("f", f"b{i}", uuid.uuid4(), 1) for i in range(150)]
+    slots.append(slots[0])  # the first row's slot again: renewed
+    granted = caps.acquire_many(slots, lease=30)
+    assert len(granted) == len(slots)
+    assert granted[98:103] == [True, True, True, False, False]
+    assert all(granted[:98]) and all(granted[103:])
+    assert len(caps.holders("f", "x")) == 3 and len(caps.holders("f", "a0")) == 1
+    assert caps.acquire_many([Slot("f", "a0", uuid.uuid4(), 1)], lease=30) == [False]
+    # a batched message's slot check goes the same way: 5 s left for every held slot (bounded,
+    # not extended), 0 for one that is gone, and -1 for it once the sentinel is gone too
+    gone = Slot("f", "x", uuid.uuid4(), 3)
+    left = caps.bound_many([*slots[:150], gone], lease=5)
+    refused = (101, 102)  # x's slots the claim did not get
+    assert all(4000 <= ms <= 5000 for i, ms in enumerate(left[:150]) if i not in refused)
+    assert [left[i] for i in refused] == [0, 0] and left[150] == 0
+    redis.Redis.from_url(caps_url).delete(caps.sentinel)
+    assert caps.bound_many([slots[0], gone], lease=5)[1] == -1
+    caps.close()
