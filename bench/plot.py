@@ -117,7 +117,7 @@ def plot(results: Results, path: str | Path) -> bool:
         ax.set_xlim(min([*p50, *p99]) / 1.5, max([*p50, *p99]) * 3)
         ax.set_xlabel("ms, log scale")
         ax.set_title("commit (or publish) -> handler start (lower is better)")
-        ax.legend(loc="lower right")
+        ax.legend(loc="upper right")  # the slowest bars are at the bottom
         ax.grid(axis="x", alpha=0.3, which="both")
     fig.text(0.01, 0.01, _footer(results), fontsize=7, color="#444444", wrap=True)
     fig.tight_layout(rect=(0, 0.05, 1, 1))

@@ -214,7 +214,7 @@ class Caps:
             return (
                 self._run(
                     "release",
-                    self._release_keys(family, actor, scope, database),
+                    self.release_keys(family, actor, scope, database),
                     [str(token), actor, self.wake_ms],
                 )
                 == 1
@@ -231,7 +231,7 @@ class Caps:
             )
             return False
 
-    def _release_keys(self, family: str, actor: str, scope: str, database: str | None) -> list[str]:
+    def release_keys(self, family: str, actor: str, scope: str, database: str | None) -> list[str]:
         wake = f"{self.prefix}:wake:" + (family if database is None else f"{database}:{family}")
         freed = [self.freed_key(family, d) for d in self.databases]
         return [self.key(family, actor, scope), wake, *freed]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from .forksafe import ForkSafeLock
-from .logs import event
+from .logs import event, mask_dsn
 
 if TYPE_CHECKING:
     from .caps import Caps, Slot
@@ -50,7 +50,7 @@ class PipelinedReleases:
         calls: list[Call] = [
             (
                 s.family,
-                self.caps._release_keys(s.family, s.actor, s.scope, database),
+                self.caps.release_keys(s.family, s.actor, s.scope, database),
                 [str(s.token), s.actor, self.caps.wake_ms],
             )
             for s in slots
@@ -65,8 +65,8 @@ class PipelinedReleases:
                     packed = conn.pack_commands(
                         [("EVALSHA", sha, len(keys), *keys, *args) for _, keys, args in calls]
                     )
+                    self._sent.extend(calls)  # counted as lost below if the write fails
                     conn.send_packed_command(packed, check_health=False)
-                    self._sent.extend(calls)
                 return self._read(conn, wait)
             except redis.RedisError as exc:
                 lost = len(self._sent)
@@ -75,11 +75,14 @@ class PipelinedReleases:
                     log,
                     logging.WARNING,
                     "cap_release_failed",
-                    f"{type(exc).__name__}: {exc}; up to {lost} slots free when their leases end",
+                    f"{type(exc).__name__}: {mask_dsn(str(exc))}; up to {lost} slots free when "
+                    "their leases end",
                 )
                 return set()
 
     def _read(self, conn: Any, wait: bool) -> set[str]:
+        """The answers in the order the releases were sent: every one with ``wait``, else
+        those already arrived (no wait)."""
         woken: set[str] = set()
         while self._sent and (wait or conn.can_read(timeout=0)):
             family, keys, args = self._sent.popleft()
