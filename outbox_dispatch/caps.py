@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -135,12 +135,7 @@ class Caps:
         slots (each run holds Redis while it loops); raises CapsIncomplete after a data loss."""
         if not slots:
             return []
-        ms = int(lease * 1000)
-        calls = []
-        for at in range(0, len(slots), ACQUIRE_CHUNK):
-            chunk = slots[at : at + ACQUIRE_CHUNK]
-            keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
-            calls.append((keys, [ms, *(x for s in chunk for x in (str(s.token), s.cap))]))
+        calls = self._chunked(slots, int(lease * 1000), lambda s: [str(s.token), s.cap])
         try:
             answers = self._pipelined("acquire", calls)
         except redis.RedisError as exc:
@@ -181,16 +176,23 @@ class Caps:
         rebuilt. ``Slot.cap`` is not used."""
         if not slots:
             return []
-        ms = int(lease * 1000)
-        calls = []
-        for at in range(0, len(slots), ACQUIRE_CHUNK):
-            chunk = slots[at : at + ACQUIRE_CHUNK]
-            keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
-            calls.append((keys, [ms, *(str(s.token) for s in chunk)]))
+        calls = self._chunked(slots, int(lease * 1000), lambda s: [str(s.token)])
         try:
             return [int(r) for answer in self._pipelined("bound", calls) for r in answer]
         except redis.RedisError as exc:
             raise CapsUnavailable(f"cap slot check failed: {_why(exc)}") from exc
+
+    def _chunked(
+        self, slots: Sequence[Slot], ms: int, per_slot: Callable[[Slot], list[Any]]
+    ) -> list[tuple[list[str], list[Any]]]:
+        """The (keys, args) of the script runs for ``slots``, ``ACQUIRE_CHUNK`` slots a run:
+        the sentinel then each slot's semaphore; ``ms``, then each slot's own arguments."""
+        calls = []
+        for at in range(0, len(slots), ACQUIRE_CHUNK):
+            chunk = slots[at : at + ACQUIRE_CHUNK]
+            keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
+            calls.append((keys, [ms, *(x for s in chunk for x in per_slot(s))]))
+        return calls
 
     def freed_key(self, family: str, database: str | None = None) -> str:
         """Freed slots for one database's claimer of the family (None: the first database)."""
