@@ -313,9 +313,15 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
     actors = [f"r{time.monotonic_ns()}", f"s{time.monotonic_ns()}"]
     seen: list[tuple[int, int]] = []  # (rows of the message left, slots held) at each start
 
+    def held() -> int:
+        """Slots of the message's rows still held (the session worker may run a claim task
+        that a freed slot asked for, and give the waiting row a slot of its own meanwhile)."""
+        mine = {str(c.token) for c in claimed}
+        return sum(len(mine.intersection(caps.holders("cappedbatch", a))) for a in actors)
+
     def look(ctx: Context, payload: Any) -> None:
         left = count_rows(database_url, schema, f"id = ANY(ARRAY{ids})")
-        seen.append((left, sum(len(caps.holders("cappedbatch", a)) for a in actors)))
+        seen.append((left, held()))
 
     cmd = commands(family="cappedbatch", fn=look)
     with psycopg.connect(database_url) as conn, conn.transaction():
@@ -354,9 +360,8 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
     assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]  # settled and freed before the next start
     assert statements == [1]  # the last row, at the message's end
     assert calls == [1, 1, 1, 1]
-    for actor in actors:
-        assert caps.holders("cappedbatch", actor) == []
-    # the waiting row gets a freed slot at the next claim
+    assert held() == 0
+    # the waiting row gets a freed slot at the next claim (or the session worker's)
     deadline = time.monotonic() + 10
     while count_rows(database_url, schema, f"id = {waiting} AND claim_token IS NULL"):
         assert time.monotonic() < deadline, "the waiting row never got a freed slot"
