@@ -38,7 +38,7 @@ SCRIPTS = {  # lua/: one script per step a slot goes through
 
 # Slots per script run of a claim's acquire or a message's slot check: a run holds Redis
 # while it loops (a few microseconds a slot).
-ACQUIRE_CHUNK = 100
+SLOTS_PER_RUN = 100
 
 # A heartbeat's slot renewal gives up this soon (a partition must not hang the heartbeat
 # thread past the slot's end): the holder can then stop before its slot runs out.
@@ -131,7 +131,7 @@ class Caps:
             ) from exc
 
     def acquire_many(self, slots: Sequence[Slot], lease: float) -> list[bool]:
-        """One round trip for every slot of a claim, one script run per ``ACQUIRE_CHUNK``
+        """One round trip for every slot of a claim, one script run per ``SLOTS_PER_RUN``
         slots (each run holds Redis while it loops); raises CapsIncomplete after a data loss."""
         if not slots:
             return []
@@ -171,7 +171,7 @@ class Caps:
 
     def bound_many(self, slots: Sequence[Slot], lease: float) -> list[int]:
         """Before a batched message's rows start (one round trip, a script run per
-        ``ACQUIRE_CHUNK`` slots): bound each held slot to end within ``lease`` without
+        ``SLOTS_PER_RUN`` slots): bound each held slot to end within ``lease`` without
         extending it (caps_bound.lua); each the ms it has left, 0 lapsed, -1 semaphores being
         rebuilt. ``Slot.cap`` is not used."""
         if not slots:
@@ -185,11 +185,11 @@ class Caps:
     def _chunked(
         self, slots: Sequence[Slot], ms: int, per_slot: Callable[[Slot], list[Any]]
     ) -> list[tuple[list[str], list[Any]]]:
-        """The (keys, args) of the script runs for ``slots``, ``ACQUIRE_CHUNK`` slots a run:
+        """The (keys, args) of the script runs for ``slots``, ``SLOTS_PER_RUN`` slots a run:
         the sentinel then each slot's semaphore; ``ms``, then each slot's own arguments."""
         calls = []
-        for at in range(0, len(slots), ACQUIRE_CHUNK):
-            chunk = slots[at : at + ACQUIRE_CHUNK]
+        for at in range(0, len(slots), SLOTS_PER_RUN):
+            chunk = slots[at : at + SLOTS_PER_RUN]
             keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
             calls.append((keys, [ms, *(x for s in chunk for x in per_slot(s))]))
         return calls

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Call = tuple[str, list[str], list[Any]]  # (family, keys, args) of one release script run
+Sent = tuple["Slot", str | None]  # a release written, its answer not read: (slot, database)
 
 
 class PipelinedReleases:
@@ -42,31 +42,26 @@ class PipelinedReleases:
         # redis-py's Connection (its methods carry no type hints): written to, read later
         self._conn: Any = None
         self._pid = 0
-        self._sent: collections.deque[Call] = collections.deque()  # answers not read yet
+        self._sent: collections.deque[Sent] = collections.deque()  # answers not read yet
 
     def release(self, slots: Sequence[Slot], database: str | None, *, wait: bool) -> set[str]:
         """Send the releases of ``slots``; return the families whose claimer should be woken,
         from the answers read now: all of them with ``wait``, else those already here."""
-        calls: list[Call] = [
-            (
-                s.family,
-                self.caps.release_keys(s.family, s.actor, s.scope, database),
-                [str(s.token), s.actor, self.caps.wake_ms],
-            )
-            for s in slots
-        ]
         with self._lock:
-            if not calls and not self._sent:
+            if not slots and not self._sent:
                 return set()
             try:
                 conn = self._connection()
-                if calls:
+                if slots:
                     sha = self.caps.script_sha("release")
-                    packed = conn.pack_commands(
-                        [("EVALSHA", sha, len(keys), *keys, *args) for _, keys, args in calls]
-                    )
-                    self._sent.extend(calls)  # counted as lost below if the write fails
-                    conn.send_packed_command(packed, check_health=False)
+                    commands = []
+                    for s in slots:
+                        keys = self.caps.release_keys(s.family, s.actor, s.scope, database)
+                        args = [str(s.token), s.actor, self.caps.wake_ms]
+                        commands.append(("EVALSHA", sha, len(keys), *keys, *args))
+                    # counted as lost below if the write fails
+                    self._sent.extend((s, database) for s in slots)
+                    conn.send_packed_command(conn.pack_commands(commands), check_health=False)
                 return self._read(conn, wait)
             except redis.RedisError as exc:
                 lost = len(self._sent)
@@ -85,18 +80,18 @@ class PipelinedReleases:
         those already arrived (no wait)."""
         woken: set[str] = set()
         while self._sent and (wait or conn.can_read(timeout=0)):
-            family, keys, args = self._sent.popleft()
+            slot, database = self._sent.popleft()
             try:
-                answer = conn.read_response()
+                wake = int(conn.read_response()) == 1
             except redis.exceptions.NoScriptError:
-                # Redis lost its scripts (SCRIPT FLUSH, a failover): this one runs again the
-                # slow way, which loads the script; those sent after it answer the same
-                answer = self.caps._pipelined("release", [(keys, args)])[0]
+                # Redis lost its scripts (SCRIPT FLUSH, a failover): this one runs again as a
+                # one-slot release, which loads the script; those sent after it answer the same
+                wake = self.caps.release(slot.family, slot.actor, slot.token, slot.scope, database)
             except redis.exceptions.ResponseError as exc:
-                event(log, logging.WARNING, "cap_release_failed", str(exc), family=family)
+                event(log, logging.WARNING, "cap_release_failed", str(exc), family=slot.family)
                 continue
-            if int(answer) == 1:
-                woken.add(family)
+            if wake:
+                woken.add(slot.family)
         return woken
 
     def _connection(self) -> Any:

@@ -405,10 +405,8 @@ class Delivery:
         """The cap slots of rows the deferred settles just settled, sent in one write; ``wait``
         (the thread, the flush at a batched message's end): read every answer, so that a
         freed slot's claim is not left waiting for the next release (caps_release.py)."""
-        if self.caps is None or not (rows or wait):
-            return
         slots = [slot for started in rows if (slot := self._slot_of(started)) is not None]
-        if not (slots or wait):
+        if self.caps is None or not (slots or wait):
             return
         woken = self.caps.release_settled(slots, self.caps_database, wait=wait)
         for family_name in sorted(woken):
