@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from .caps_release import PipelinedReleases
+from .caps_pipelined import PipelinedSlotWrites
 from .errors import ConfigurationError, OutboxError
 from .forksafe import ForkSafeLock
 from .logs import event, mask_dsn
@@ -30,14 +30,13 @@ log = logging.getLogger(__name__)
 SCRIPTS = {  # lua/: one script per step a slot goes through
     "acquire": "caps_acquire.lua",
     "renew": "caps_renew.lua",
-    "bound": "caps_bound.lua",
     "release": "caps_release.lua",
     "restore": "caps_restore.lua",
     "take_freed": "caps_take_freed.lua",
 }
 
-# Slots per script run of a claim's acquire or a message's slot check: a run holds Redis
-# while it loops (a few microseconds a slot).
+# Slots per script run of a claim's acquire: a run holds Redis while it loops (a few
+# microseconds a slot).
 SLOTS_PER_RUN = 100
 
 # A heartbeat's slot renewal gives up this soon (a partition must not hang the heartbeat
@@ -83,7 +82,7 @@ class Caps:
         self._scripts: dict[str, Any] = {}
         # the databases whose claimers take freed slots (None: the first, keys as before)
         self.databases: list[str | None] = [None]
-        self._releases = PipelinedReleases(self)
+        self._writes = PipelinedSlotWrites(self)
 
     @property
     def client(self) -> redis.Redis:
@@ -169,18 +168,10 @@ class Caps:
             self.renew_client if heartbeat else None,
         )
 
-    def bound_many(self, slots: Sequence[Slot], lease: float) -> list[int]:
-        """Before a batched message's rows start (one round trip, a script run per
-        ``SLOTS_PER_RUN`` slots): bound each held slot to end within ``lease`` without
-        extending it (caps_bound.lua); each the ms it has left, 0 lapsed, -1 semaphores being
-        rebuilt. ``Slot.cap`` is not used."""
-        if not slots:
-            return []
-        calls = self._chunked(slots, int(lease * 1000), lambda s: [str(s.token)])
-        try:
-            return [int(r) for answer in self._pipelined("bound", calls) for r in answer]
-        except redis.RedisError as exc:
-            raise CapsUnavailable(f"cap slot check failed: {_why(exc)}") from exc
+    def renew_started(self, slot: Slot, lease: float) -> set[str]:
+        """A starting row's renewal, sent without waiting (caps_pipelined.py): only for a slot
+        surely still held. Returns the families to wake, from earlier releases' answers."""
+        return self._writes.renew(slot, lease)
 
     def _chunked(
         self, slots: Sequence[Slot], ms: int, per_slot: Callable[[Slot], list[Any]]
@@ -242,10 +233,10 @@ class Caps:
         self, slots: Sequence[Slot], database: str | None = None, *, wait: bool = True
     ) -> set[str]:
         """``release`` for the slots of rows just settled, sent without waiting for Redis's
-        answers (caps_release.py); returns the families whose claimer of ``database`` should be
+        answers (caps_pipelined.py); returns the families whose claimer of ``database`` should be
         woken, from the answers read: all of them with ``wait``, else those already in. A
         failure is logged: the slots expire with their leases, the cap stays safe."""
-        return self._releases.release(slots, database, wait=wait)
+        return self._writes.release(slots, database, wait=wait)
 
     def release_many(self, slots: Sequence[Slot]) -> None:
         """Return slots a claim took but did not use (nothing was settled: no freed note)."""
@@ -394,7 +385,7 @@ class Caps:
         return [m.decode() if isinstance(m, bytes) else str(m) for m in raw]
 
     def close(self) -> None:
-        self._releases.close()
+        self._writes.close()
         for client in (self._client, self._renew_client):
             if client is not None:
                 client.close()

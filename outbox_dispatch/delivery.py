@@ -15,7 +15,7 @@ from uuid import UUID
 from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
 from .deferred_settles import DeferredSettles, carried
-from .errors import DatabaseUnavailable, OutboxError, PermanentFailure, RetryLater
+from .errors import DatabaseUnavailable, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
@@ -43,6 +43,7 @@ MAX_ERROR_LENGTH = 4000
 # A heartbeat renews a slot up to two ticks late and may wait RENEW_TIMEOUT for Redis: a slot
 # must have this much left past the heartbeat's first renewal to start on without renewing.
 SLOT_MARGIN = 2 * TICK + RENEW_TIMEOUT
+LAPSED = 0.0  # what Delivery._check_slot returns for a row whose slot lapsed (handed back)
 
 
 @dataclass(frozen=True)
@@ -102,24 +103,16 @@ def describe_error(exc: BaseException) -> str:
     return mask_dsn(text)[:MAX_ERROR_LENGTH]  # a handler's own DB error may quote its URL
 
 
-@dataclass(frozen=True)
-class CheckedSlot:
-    """A batched message's check of one row's cap slot (``Caps.bound_many``): the ms it had
-    left (0: lapsed), and when."""
-
-    left: int
-    at: float  # time.monotonic() of the check
-
-    @property
-    def ends(self) -> float:
-        """When the slot runs out, on the monotonic clock."""
-        return self.at + self.left / 1000
-
-    def fresh(self, family: Family) -> bool:
-        """Enough left to start on without a renewal of its own: the row's heartbeat renews
-        it a third of the heartbeat timeout after its start, and may take RENEW_TIMEOUT."""
-        left = self.ends - time.monotonic()
-        return self.left == 0 or left >= family.heartbeat_timeout / 3 + SLOT_MARGIN
+def slot_surely_left(claim_age: float | None, family: Family) -> float | None:
+    """Seconds a starting row's cap slot is surely still held, from its claim's age: the claim
+    took the slot for the family's lease after its transaction began, when ``claimed_at`` was
+    set, so at least the lease less that age is left. None when that is too little to start
+    on without asking Redis: the heartbeat's first renewal comes a third of the heartbeat
+    timeout after the start, and may be SLOT_MARGIN late."""
+    if claim_age is None:
+        return None
+    left = family.lease - max(claim_age, 0.0)
+    return left if left >= family.heartbeat_timeout / 3 + SLOT_MARGIN else None
 
 
 class Delivery:
@@ -196,7 +189,6 @@ class Delivery:
         # row past its own hard limit keeps its lease until then, when the pool process is
         # killed, so no second copy of it can start while it still runs.
         until = None if hard is None else time.monotonic() + hard * len(pairs)
-        checked = self._check_slots(pairs, family)
         results: list[Result] = []
         for row_id, token in pairs:
             try:
@@ -207,7 +199,6 @@ class Delivery:
                         family_hint=family_hint,
                         defer=defer,
                         renew_until=until,
-                        slot=checked.get(row_id),
                     )
                 )
             except DatabaseUnavailable as exc:
@@ -222,40 +213,6 @@ class Delivery:
             # again, flagged maybe_applied); one statement per message, not per row
             self.deferred.flush()
         return results
-
-    def _check_slots(
-        self, pairs: list[tuple[int, UUID]], family: Family | None
-    ) -> dict[int, CheckedSlot]:
-        """The cap slots of a batched message's rows, checked in one Redis round trip (after
-        one statement for their actors) instead of one round trip per row as each starts, and
-        each bounded to end within the heartbeat timeout, as a renewal at its start would, but
-        never extended: a row whose start is then refused (its attempt started in a worker
-        that died) must not keep its slot past its own lease. A row that starts with enough
-        left uses this answer (see CheckedSlot.fresh); one that has not renews its own. Without
-        an answer (Redis or Postgres down, semaphores being rebuilt) each row checks its own
-        slot, as a lone row does."""
-        if family is None or self.caps is None or len(pairs) < 2 or not self.is_capped(family):
-            return {}
-        tokens = dict(pairs)
-        try:
-            holders = self.store.batch_actors(list(tokens))
-        except OutboxError:
-            return {}
-        slots = [
-            (row_id, slot)
-            for row_id, command, actor in holders
-            if (slot := self._slot(family, command, actor, tokens[row_id])) is not None
-        ]
-        try:
-            left = self.caps.bound_many([s for _, s in slots], family.heartbeat_timeout)
-        except CapsUnavailable:
-            return {}
-        at = time.monotonic()
-        return {
-            row_id: CheckedSlot(ms, at)
-            for (row_id, _), ms in zip(slots, left, strict=True)
-            if ms >= 0
-        }
 
     def _start_checked(self, started: Started, family: Family | None) -> Result:
         """The checks before a handler runs, for rows that fail them."""
@@ -278,8 +235,10 @@ class Delivery:
         started: Started,
         family: Family,
         renew_until: float | None = None,
-        slot: CheckedSlot | None = None,
+        held: float | None = None,
     ) -> tuple[Context, Running]:
+        """``held``: seconds the row's cap slot is surely held from now (None: a whole
+        heartbeat timeout, as a renewal just gave it)."""
         key = (started.id, started.token)
         ctx = Context(
             row_id=started.id,
@@ -299,7 +258,7 @@ class Delivery:
             ctx=ctx,
             token=started.token,
             run_lease=family.heartbeat_timeout,
-            renew_slot=self._slot_renewer(started, family, None if slot is None else slot.ends),
+            renew_slot=self._slot_renewer(started, family, held),
             next_at=time.monotonic() + family.heartbeat_timeout / 3,
             soft_deadline=soft,
             deadline=hard,
@@ -314,23 +273,20 @@ class Delivery:
         family_hint: str | None = None,
         defer: bool = False,
         renew_until: float | None = None,
-        slot: CheckedSlot | None = None,
     ) -> Result:
-        """``slot``: the batch's check of this row's cap slot, used if still fresh."""
         started = self._start(row_id, token, family_hint)
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
             return Result(Outcome.STALE, row_id, why)
         family = self.families.get(started.family)
-        if slot is not None and family is not None and not slot.fresh(family):
-            slot = None  # the batch's answer is too old to start on: ask Redis again
-        if family is not None and not self._slot_still_held(started, family, slot):
+        held = None if family is None else self._check_slot(started, family)
+        if held == LAPSED:
             return Result(Outcome.STALE, row_id, "cap slot lapsed")
         reg = self.registry.registration(started.command)
         if family is None or reg is None or reg.fn is None or started.cancel_requested:
             return self._start_checked(started, family)
-        _ctx, running = self._context(started, family, renew_until, slot)
+        _ctx, running = self._context(started, family, renew_until, held)
         self.heartbeats.add(running)
         metrics.started(started.family, started.waited, self.database)
         t0 = time.perf_counter()
@@ -526,28 +482,27 @@ class Delivery:
     def _capped(self, started: Started, family: Family) -> bool:
         return self._rule(started, family) is not None
 
-    def _slot_still_held(
-        self, started: Started, family: Family, slot: CheckedSlot | None = None
-    ) -> bool:
+    def _check_slot(self, started: Started, family: Family) -> float | None:
         """A capped row may only start while its slot is live: if the slot lapsed, another row
-        of the actor may hold it now, so the row goes back, due, uncounted. ``slot``: the
-        answer of its batch's check, moments ago, instead of a round trip of its own."""
+        of the actor may hold it now, so the row goes back, due, uncounted (returns 0). A
+        young claim's slot is surely held (``slot_surely_left``): its renewal to the heartbeat
+        timeout, which a killed worker's slot must end with, is sent without waiting, and the
+        seconds it surely has are returned; an older one is renewed and waited for (None: a
+        whole heartbeat timeout). None too for a row without a cap slot."""
         rule = self._rule(started, family)
         if rule is None:
-            return True
+            return None
         assert self.caps is not None
         assert started.actor is not None
+        left = slot_surely_left(started.claim_age, family)
+        if left is not None:
+            slot = Slot(started.family, started.actor, started.token, rule.limit, rule.scope)
+            for family_name in sorted(self.caps.renew_started(slot, family.heartbeat_timeout)):
+                self.on_slot_freed(family_name)  # an earlier release's answer asked for it
+            return min(left, family.heartbeat_timeout)
         try:
-            state = (
-                int(slot.left > 0)
-                if slot is not None
-                else self.caps.renew(
-                    started.family,
-                    started.actor,
-                    started.token,
-                    family.heartbeat_timeout,
-                    rule.scope,
-                )
+            state = self.caps.renew(
+                started.family, started.actor, started.token, family.heartbeat_timeout, rule.scope
             )
         except CapsUnavailable as exc:
             # Without Redis the slot cannot be checked: the row goes back and waits in Postgres.
@@ -559,7 +514,7 @@ class Delivery:
                 f"{exc}; row handed back",
                 **_fields(started),
             )
-            return False
+            return LAPSED
         if state == 0:
             self.store.handback(started.id, started.token)
             event(
@@ -569,11 +524,11 @@ class Delivery:
                 "the row's cap slot expired before delivery began; row handed back",
                 **_fields(started),
             )
-            return False
-        return True
+            return LAPSED
+        return None
 
     def _slot_renewer(
-        self, started: Started, family: Family, ends: float | None = None
+        self, started: Started, family: Family, held: float | None = None
     ) -> Callable[[], SlotState] | None:
         """Renews the row's cap slot. While Redis cannot be reached the slot runs on until its
         last renewal's lease ends, and the row's lease is not renewed past it; a renewal
@@ -587,11 +542,11 @@ class Delivery:
         assert actor is not None
         timeout = family.heartbeat_timeout
         # The slot was renewed for a whole timeout just before this runs (after the start), or
-        # the batch's check found it ``ends`` then, a third of the timeout and SLOT_MARGIN away
-        # at least. Renewals start every timeout/3 (give or take a tick) and give up after
+        # is surely ``held`` that long, a third of the timeout and SLOT_MARGIN at least.
+        # Renewals start every timeout/3 (give or take a tick) and give up after
         # RENEW_TIMEOUT, so a failure that leaves less than this margin is the last one before
         # the slot's end.
-        until = [time.monotonic() + timeout if ends is None else ends]
+        until = [time.monotonic() + (timeout if held is None else held)]
         margin = timeout / 3 + SLOT_MARGIN
 
         def renew() -> SlotState:

@@ -214,11 +214,6 @@ def starts_flushed(family: Family | None, flushed_starts: bool) -> bool:
     return flushed_starts or family is None or family.on_lost is LostAttempt.PARK
 
 
-def claim_limit(batch: int, max_in_flight: int, in_flight: int) -> int:
-    """How many rows a claim may take: never more than the family can have in flight."""
-    return max(0, min(batch, max_in_flight - in_flight))
-
-
 # Messages per consumer a claim under backlog aims for: several, so that no consumer idles
 # while another works through a long message, and few, so that each carries many rows.
 SPREAD = 4

@@ -63,6 +63,7 @@ class Started:
     cancel_requested: bool = False
     waited: float | None = None  # seconds from due (for a row due at enqueue: commit) to start
     trace_context: dict[str, str] | None = None  # the enqueuing span's W3C context
+    claim_age: float | None = None  # seconds since its claim (which took its cap slot)
 
 
 @dataclass(frozen=True)

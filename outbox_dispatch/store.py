@@ -23,7 +23,7 @@ from .cron import Schedule, due_ticks
 from .errors import DatabaseError, DatabaseUnavailable, IsolationNotSupported, SchemaNotReady
 from .health import PROBE_CONNECT_TIMEOUT, Breaker, liveness_options
 from .logs import mask_dsn
-from .policy import Candidate, Family, LostAttempt, claim_limit, starts_flushed
+from .policy import Candidate, Family, LostAttempt, starts_flushed
 from .pool import Conn, Pools
 from .rows import CappedDecision, Claimed, ClaimResult, FamilyStatus, Holder, Started
 from .settle import BATCH_QUERY, QUERY, SettleKind, leaves_line
@@ -306,63 +306,66 @@ class Store:
         cap slots while the candidates are locked; the shared caps lock is held to commit so a
         rebuild of the semaphores sees every claim that took slots. ``freed``: that many
         waiting rows of each actor are offered first, and leased straight from waiting when
-        they get a slot; those the claim has no room for come due now."""
+        they get a slot; those the claim has no room for come due now.
+
+        Two pipelined round trips around ``decide``: the locks, the freed rows and the
+        candidates in one; the lease, the rows set waiting or due and the commit in the other
+        (seven round trips before, each a wait for the GIL on a busy worker's listener)."""
         with (
             translated(f"claim of family {family.name}"),
             self._starting() as conn,
-            conn.transaction(),
+            conn.pipeline(),
         ):
-            conn.execute(self.q["caps_lock_shared"], {"lock_name": f"{self.schema}.caps"})
-            waiting: list[Candidate] = []
-            if freed:
-                picked = conn.execute(
-                    self.q["claim_freed_waiting"],
-                    {"family": family.name, "actors": list(freed), "counts": list(freed.values())},
-                ).fetchall()
-                waiting = [Candidate(int(r[0]), r[1], r[2], 1) for r in picked]
-            limit = self._claim_limit(conn, family, batch)
-            found = (
-                conn.execute(
-                    self.q["claim_capped_candidates"],
-                    {"family": family.name, "probe": max(4 * limit, 100)},
-                ).fetchall()
-                if limit
-                else []
-            )
-            candidates = [Candidate(int(r[0]), r[1], r[2], int(r[3])) for r in found]
-            take, wait = decide(waiting + candidates, limit) if limit else ([], [])
-            ids, tokens = [i for i, _ in take], [t for _, t in take]
-            leased = self._lease(conn, family, ids, tokens).fetchall() if ids else []
-            rows = [r[1:] for r in leased if r[1] is not None]
-            # a freed row refused a slot (another row took it) stays waiting as it is
-            held = {c.id for c in waiting}.intersection(wait)
-            wait = [i for i in wait if i not in held]
-            if wait:
-                conn.execute(
-                    self.q["claim_mark_waiting"],
-                    {
-                        "ids": wait,
-                        "lease": family.lease,
-                        "flushed_starts": self.starts_flushed(family),
-                    },
+            with conn.transaction():
+                conn.execute(self.q["caps_lock_shared"], {"lock_name": f"{self.schema}.caps"})
+                picked = (
+                    conn.execute(
+                        self.q["claim_freed_waiting"],
+                        {
+                            "family": family.name,
+                            "actors": list(freed),
+                            "counts": list(freed.values()),
+                        },
+                    )
+                    if freed
+                    else None
                 )
-            answered = set(ids) | held  # leased, or refused a slot
-            if no_room := [c.id for c in waiting if c.id not in answered]:
-                conn.execute(self.q["claim_promote"], {"ids": no_room})
+                self._lock_family(conn, family)
+                found = conn.execute(
+                    self.q["claim_capped_candidates"],
+                    {"family": family.name, "batch": batch, "max_in_flight": family.max_in_flight},
+                ).fetchall()  # sends the statements above, and waits for them all
+                waiting = (
+                    [Candidate(int(r[0]), r[1], r[2], 1) for r in picked.fetchall()]
+                    if picked is not None
+                    else []
+                )
+                limit = int(found[0][0]) if found else 0
+                candidates = [
+                    Candidate(int(r[1]), r[2], r[3], int(r[4])) for r in found if r[1] is not None
+                ]
+                take, wait = decide(waiting + candidates, limit) if limit else ([], [])
+                ids, tokens = [i for i, _ in take], [t for _, t in take]
+                leased = self._lease(conn, family, ids, tokens) if ids else None
+                # a freed row refused a slot (another row took it) stays waiting as it is
+                held = {c.id for c in waiting}.intersection(wait)
+                wait = [i for i in wait if i not in held]
+                if wait:
+                    conn.execute(
+                        self.q["claim_mark_waiting"],
+                        {
+                            "ids": wait,
+                            "lease": family.lease,
+                            "flushed_starts": self.starts_flushed(family),
+                        },
+                    )
+                answered = set(ids) | held  # leased, or refused a slot
+                if no_room := [c.id for c in waiting if c.id not in answered]:
+                    conn.execute(self.q["claim_promote"], {"ids": no_room})
+            # after the commit was queued: the second round trip
+            rows = [r[1:] for r in leased.fetchall() if r[1] is not None] if leased else []
         result = _claim_result(family.name, rows, limit)
         return replace(result, waiting=len(wait))
-
-    def _claim_limit(self, conn: Conn, family: Family, batch: int) -> int:
-        """Take the family's claim lock and return how many rows this claim may lease."""
-        # one round trip: the server runs the two in order, so the count is taken under the lock
-        with conn.pipeline():
-            self._lock_family(conn, family)
-            cur = conn.execute(
-                self.q["claim_in_flight"],
-                {"family": family.name, "max_in_flight": family.max_in_flight},
-            )
-        row = cur.fetchone()
-        return claim_limit(batch, family.max_in_flight, int(row[0]) if row else 0)
 
     @contextmanager
     def caps_frozen(self, families: list[str]) -> Iterator[list[Holder]]:
@@ -444,14 +447,8 @@ class Store:
         with translated("delivery start"), self._starting() as conn:
             row = conn.execute(self.q["deliver_begin"], params).fetchone()
         assert row is not None  # a left join of one row: always one row
-        settled = {int(i) for i in row[10:12] if i is not None}
+        settled = {int(i) for i in row[11:13] if i is not None}
         return _started(row_id, token, row if row[0] is not None else None), settled
-
-    def batch_actors(self, ids: Sequence[int]) -> list[tuple[int, str, str | None]]:
-        """(id, command, actor) of a batched message's rows that have an actor."""
-        with translated("batch slot check"), self._starting() as conn:
-            rows = conn.execute(self.q["deliver_batch_actors"], {"ids": list(ids)}).fetchall()
-        return [(int(r[0]), str(r[1]), r[2]) for r in rows]
 
     def settle_many(self, kind: SettleKind, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
         """Settle delivered rows (``delete`` or ``done``) handed to the deferred settles;
@@ -924,4 +921,5 @@ def _started(row_id: int, token: UUID, row: Sequence[Any] | None) -> Started | N
         bool(cancel),
         row[8],
         row[9],
+        row[10],
     )

@@ -23,24 +23,13 @@ SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
                 ELSE current_setting('synchronous_commit') END,
            true);
 
--- name: claim_in_flight
--- Claimed rows whose lease still runs. A row whose lease ran out is not in flight, started or
--- not: its holder is dead or stalled (every live handler's lease is renewed by its heartbeat),
--- and the row is due again, so counting it would let dead workers' rows stop the family.
--- Counted up to max_in_flight (a claim needs no more), along the outbox_claimed index.
-SELECT count(*) FROM (
-    SELECT 1 FROM __SCHEMA__.outbox
-    WHERE family = %(family)s AND claim_token IS NOT NULL AND due_at > now()
-    ORDER BY due_at
-    LIMIT %(max_in_flight)s
-) AS live;
-
 -- name: claim_lease
 -- A claim's lease, run under the family lock: the rows it holds locked (the capped claim's
 -- take, under its cap slots' tokens), or, given no ids, the family's due rows it picks here,
 -- oldest first from the outbox_due index range, skipping rows another claimer holds, as many
--- as the batch and the in-flight limit leave room for (counted as claim_in_flight does, along
--- the outbox_claimed index). Count, pick and lease are one statement so that a claim is one
+-- as the batch and the in-flight limit leave room for (live claims counted along the
+-- outbox_claimed index: a claim whose lease ran out is not in flight, started or not, since
+-- its holder is dead or stalled and the row is due again). Count, pick and lease are one statement so that a claim is one
 -- round trip with the lock (pipelined): the statement's snapshot is taken after the lock is
 -- granted, so the count sees every claim committed before.
 -- A previous claim that never started (its message was lost or came too late) does not count
@@ -118,20 +107,35 @@ SELECT (SELECT n FROM room), NULL::bigint, NULL::uuid, NULL::text, NULL::text, N
 -- Due rows of a capped family from the outbox_due index range, locked as they are read (SKIP
 -- LOCKED), then ranked per actor; rows with no actor rank 1 (uncapped). In (rank, due) order
 -- the first row of every actor comes before the second row of any, so one actor's backlog
--- cannot fill the claim.
-WITH due AS MATERIALIZED (
+-- cannot fill the claim. The room (as in claim_lease) is counted here too, so that the probe
+-- (four candidates a row of room, at least 100) needs no round trip of its own: the first
+-- column is the room, and a last row with no id carries it even when no row is due.
+WITH room AS MATERIALIZED (
+    SELECT greatest(0, least(%(batch)s::int, %(max_in_flight)s::int - (
+        SELECT count(*) FROM (
+            SELECT 1 FROM __SCHEMA__.outbox
+            WHERE family = %(family)s AND claim_token IS NOT NULL AND due_at > now()
+            ORDER BY due_at
+            LIMIT %(max_in_flight)s::int
+        ) AS live
+    )))::int AS n
+), due AS MATERIALIZED (
     SELECT id, actor, command, due_at FROM __SCHEMA__.outbox
     WHERE family = %(family)s AND due_at <= now()
       AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
     ORDER BY due_at
-    LIMIT %(probe)s
+    LIMIT (SELECT CASE WHEN n = 0 THEN 0 ELSE greatest(4 * n, 100) END FROM room)
     FOR UPDATE SKIP LOCKED
+), ranked AS (
+    SELECT id, actor, command, due_at,
+           CASE WHEN actor IS NULL THEN 1
+                ELSE row_number() OVER (PARTITION BY actor ORDER BY due_at, id) END AS rank
+    FROM due
 )
-SELECT id, actor, command,
-       CASE WHEN actor IS NULL THEN 1
-            ELSE row_number() OVER (PARTITION BY actor ORDER BY due_at, id) END AS rank
-FROM due
-ORDER BY rank, due_at, id;
+SELECT (SELECT n FROM room) AS room, id, actor, command, rank, due_at FROM ranked
+UNION ALL
+SELECT (SELECT n FROM room), NULL::bigint, NULL::text, NULL::text, NULL::bigint, NULL
+ORDER BY rank NULLS LAST, due_at, id;
 
 -- name: claim_mark_waiting
 -- Rows whose actor is at its cap leave the due range for one lease, or until a slot frees.

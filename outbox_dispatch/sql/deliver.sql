@@ -10,6 +10,8 @@
 -- claim before it having waited for its own; then a claim older than the server's start may
 -- not start: a Postgres crash may have lost a start that ran, so the row waits for its lease
 -- and runs again as a lost attempt (maybe_applied).
+-- It returns how long ago the row was claimed: the claim took the row's cap slot for the
+-- family's lease at most that long ago, so a young claim's slot is surely still held.
 -- The same statement settles the row this process delivered just before, if any (one row
 -- deleted, and one kept as done for its family's retention; id 0 for none): that deferred
 -- settle then costs no round trip of its own, and it commits with the start, before the next
@@ -35,22 +37,17 @@ WITH deleted AS (
     RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
         EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id)
             AS cancel_requested,
-        extract(epoch FROM now() - due_since)::float8 AS waited, trace_context
+        extract(epoch FROM now() - due_since)::float8 AS waited, trace_context,
+        extract(epoch FROM now() - claimed_at)::float8 AS claim_age
 )
 SELECT s.family, s.command, s.actor, s.payload, s.attempts, s.maybe_applied, s.dedupe_key,
-    s.cancel_requested, s.waited, s.trace_context,
+    s.cancel_requested, s.waited, s.trace_context, s.claim_age,
     (SELECT id FROM deleted), (SELECT id FROM done)
 FROM (SELECT set_config('synchronous_commit',
           CASE WHEN NOT %(flushed)s THEN 'off'
                WHEN current_setting('synchronous_commit') = 'off' THEN 'local'
                ELSE current_setting('synchronous_commit') END, true)
       ) AS one LEFT JOIN started s ON true;
-
--- name: deliver_batch_actors
--- A batched capped message's rows before the first starts: their commands and actors, so
--- that their cap slots are checked in one Redis round trip, not one per row.
-SELECT id, command, actor FROM __SCHEMA__.outbox
-WHERE id = ANY(%(ids)s::bigint[]) AND actor IS NOT NULL;
 
 -- name: deliver_explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,

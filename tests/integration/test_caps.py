@@ -117,6 +117,91 @@ def test_handler_cap_overrides_the_family_cap(
     assert len(result.claimed) == 1 and result.waiting == 3
 
 
+def test_a_capped_claim_never_exceeds_max_in_flight(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    """The capped claim counts its room in the statement that probes its candidates (no
+    round trip of its own): live claims count, settled ones free room, and a full family
+    leases nothing and sets nothing waiting."""
+    name = f"room{uuid.uuid4().hex[:6]}"
+    capped.family(name, per_actor=2, lease=30, max_in_flight=120)
+    cmd = record(name)
+    _enqueue(capped, database_url, [Message(cmd, {}, actor=f"a{i}") for i in range(300)])
+    fam = capped.families[name]
+    got = [capped.claimer.claim_family(fam, batch=100) for _ in range(3)]
+    assert [len(r.claimed) for r in got] == [100, 20, 0]
+    assert [r.waiting for r in got] == [0, 0, 0]
+    for c in got[0].claimed[:30]:
+        assert capped.delivery.deliver(c.id, c.token).outcome is Outcome.DELIVERED
+    assert len(capped.claimer.claim_family(fam, batch=100).claimed) == 30
+    assert count_rows(database_url, capped.schema, f"family = '{name}' AND waiting") == 0
+
+
+def test_a_young_claims_row_starts_without_waiting_for_redis_and_its_slot_ends_with_its_lease(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    """A capped row whose claim is young surely holds its slot (the claim took it for the
+    family's lease moments ago): it starts without a Redis round trip of its own, and its
+    slot is renewed, unwaited, to the heartbeat timeout (the row's lease from its start), so
+    that a killed worker's slot frees with its row. A row whose claim is too old for that
+    asks Redis and waits: with its slot gone, it is handed back uncounted."""
+    assert capped.caps is not None
+    caps = capped.caps
+    name = f"young{uuid.uuid4().hex[:6]}"
+    capped.family(name, per_actor=2, lease=60, heartbeat_timeout=5)
+    left: dict[str, float] = {}
+
+    def look(ctx: Context, payload: Any) -> None:
+        assert ctx.actor is not None
+        caps.release_settled([], wait=True)  # this process's unwaited writes have landed
+        [token] = caps.holders(name, ctx.actor)
+        left[ctx.actor] = _left_ms(caps, Slot(name, ctx.actor, uuid.UUID(token), 2))
+
+    cmd = record(name, look)
+    young, old = _enqueue(
+        capped, database_url, [Message(cmd, {}, actor="Y"), Message(cmd, {}, actor="O")]
+    )
+    claimed = {c.id: c for c in capped.claimer.claim_family(capped.families[name]).claimed}
+    assert set(claimed) == {young, old}
+    with psycopg.connect(database_url, autocommit=True) as conn:  # claimed 58 s ago
+        conn.execute(
+            f"UPDATE \"{capped.schema}\".outbox SET claimed_at = claimed_at - interval '58 s' "
+            "WHERE id = %s",
+            (old,),
+        )
+    waited: list[str] = []
+    renew = caps.renew
+
+    def counted(family: str, actor: str, *args: Any, **kwargs: Any) -> int:
+        waited.append(actor)
+        return renew(family, actor, *args, **kwargs)
+
+    caps.renew = counted  # type: ignore[method-assign]
+    try:
+        first = capped.delivery.deliver(young, claimed[young].token, family_hint=name)
+        assert first.outcome is Outcome.DELIVERED and waited == []
+        assert 3000 < left["Y"] <= 5000  # the heartbeat timeout's, not the claim's 60 s
+        second = capped.delivery.deliver(old, claimed[old].token, family_hint=name)
+        assert second.outcome is Outcome.DELIVERED and waited == ["O"]
+        assert 3000 < left["O"] <= 5000
+        # an old claim whose slot is gone: handed back, uncounted
+        [again] = _enqueue(capped, database_url, [Message(cmd, {}, actor="O")])
+        [c] = capped.claimer.claim_family(capped.families[name]).claimed
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                f'UPDATE "{capped.schema}".outbox SET claimed_at = claimed_at - '
+                "interval '58 s' WHERE id = %s",
+                (again,),
+            )
+        caps.client.zrem(caps.key(name, "O"), str(c.token))
+        third = capped.delivery.deliver(again, c.token, family_hint=name)
+        assert third.outcome is Outcome.STALE and third.detail == "cap slot lapsed"
+        assert waited == ["O", "O"]
+    finally:
+        del caps.renew
+    assert count_rows(database_url, capped.schema, f"id = {again} AND attempts = 0") == 1
+
+
 def test_redis_data_loss_rebuilds_the_semaphores_before_claiming(
     capped: Dispatcher, record: Callable[..., str], database_url: str, caps_url: str
 ) -> None:
@@ -376,31 +461,47 @@ def test_a_pass_claims_an_idle_capped_family_only_when_a_slot_of_it_freed(
 def test_pipelined_scripts_work_as_a_fresh_process_s_first_call_and_after_a_script_flush(
     caps_url: str, run_id: str
 ) -> None:
-    """A batched message's slot check and release are pipelined EVALSHAs (no SCRIPT EXISTS
-    round trip): they work as the first call of a fresh process, which has not registered its
-    scripts yet (a pool process's first capped batch failed so), and when Redis lost its
-    scripts (restarted, flushed), which loads them and runs the calls again, each once."""
+    """A claim's acquire, a starting row's renewal and a release are pipelined EVALSHAs (no
+    SCRIPT EXISTS round trip): they work as the first call of a fresh process, which has not
+    registered its scripts yet (a pool process's first capped batch failed so), and when
+    Redis lost its scripts (restarted, flushed), which loads them and runs the calls again,
+    each once."""
     prefix = f"t{run_id}fresh"
     owner = Caps(caps_url, prefix)
     owner.restore([])  # the semaphores are complete (nothing held)
     token = uuid.uuid4()
     slot = Slot("f", "a", token, 1)
-    assert owner.acquire_many([slot], lease=30) == [True]
     fresh = Caps(caps_url, prefix)  # a new process's: nothing registered, nothing connected
-    left = fresh.bound_many([slot], lease=5)
-    assert 4000 <= left[0] <= 5000  # bounded to the 5 s given, not the claim's 30 s
+    assert fresh.acquire_many([slot], lease=30) == [True]
+    fresh.renew_started(slot, lease=5)
+    assert fresh.release_settled([], wait=True) == set()  # every answer read
+    assert 4000 <= _left_ms(fresh, slot) <= 5000  # renewed to the 5 s given
     redis.Redis.from_url(caps_url).script_flush()
-    again = fresh.bound_many([slot, Slot("f", "b", uuid.uuid4(), 1)], lease=60)
-    assert 4000 <= again[0] <= left[0] and again[1] == 0  # not extended; "b" holds nothing
+    fresh.renew_started(slot, lease=20)
+    assert fresh.release_settled([], wait=True) == set()
+    assert 19000 <= _left_ms(fresh, slot) <= 20000  # ran again after NOSCRIPT
+    redis.Redis.from_url(caps_url).script_flush()
+    assert fresh.acquire_many([Slot("f", "b", uuid.uuid4(), 1)], lease=30) == [True]
     assert fresh.release_settled([slot]) == {"f"}
     assert fresh.holders("f", "a") == []
+    fresh.close()
+    owner.close()
+
+
+def _left_ms(caps: Caps, slot: Slot) -> float:
+    """Milliseconds the slot has left, in Redis time (None if it holds nothing)."""
+    r = caps.client
+    score = r.zscore(caps.key(slot.family, slot.actor, slot.scope), str(slot.token))
+    assert score is not None, f"{slot} holds nothing"
+    seconds, micros = r.time()
+    return float(score) - (seconds * 1000 + micros / 1000)
 
 
 def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
     caps_url: str, run_id: str
 ) -> None:
     """A release on the delivery path is written without waiting for Redis's answer
-    (caps_release.py): the slot is free once Redis has read it, and the answer that says
+    (caps_pipelined.py): the slot is free once Redis has read it, and the answer that says
     "wake the claimer" is not lost, only read later, with the next release that waits."""
     caps = Caps(caps_url, f"t{run_id}async")
     caps.restore([])
@@ -440,7 +541,7 @@ def test_a_release_that_cannot_reach_redis_is_logged_and_the_slot_expires(
     """Redis unreachable: the release says so in the log and returns; the slot runs out with
     its lease (the cap stays safe), and the delivery goes on."""
     caps = Caps("redis://127.0.0.1:1/0", "tdown")
-    with caplog.at_level("WARNING", logger="outbox_dispatch.caps_release"):
+    with caplog.at_level("WARNING", logger="outbox_dispatch.caps_pipelined"):
         assert caps.release_settled([Slot("f", "a", uuid.uuid4(), 1)], wait=False) == set()
     assert "slots free when their leases end" in caplog.text
     caps.close()
@@ -475,8 +576,7 @@ def test_a_claims_slots_are_taken_in_order_in_script_runs_of_a_hundred(
 ) -> None:
     """A claim's slots go in one round trip, a script run per hundred: an actor's slots are
     judged in order across the runs' boundary (its cap counts what earlier runs granted), and
-    a token that already holds its slot is renewed, not counted twice. A batched message's
-    slot check runs the same way."""
+    a token that already holds its slot is renewed, not counted twice."""
     caps = Caps(caps_url, f"t{run_id}many")
     caps.restore([])
     slots = [Slot("f", f"a{i}", uuid.uuid4(), 1) for i in range(98)]
@@ -489,13 +589,4 @@ def test_a_claims_slots_are_taken_in_order_in_script_runs_of_a_hundred(
     assert all(granted[:98]) and all(granted[103:])
     assert len(caps.holders("f", "x")) == 3 and len(caps.holders("f", "a0")) == 1
     assert caps.acquire_many([Slot("f", "a0", uuid.uuid4(), 1)], lease=30) == [False]
-    # a batched message's slot check goes the same way: 5 s left for every held slot (bounded,
-    # not extended), 0 for one that is gone, and -1 for it once the sentinel is gone too
-    gone = Slot("f", "x", uuid.uuid4(), 3)
-    left = caps.bound_many([*slots[:150], gone], lease=5)
-    refused = (101, 102)  # x's slots the claim did not get
-    assert all(4000 <= ms <= 5000 for i, ms in enumerate(left[:150]) if i not in refused)
-    assert [left[i] for i in refused] == [0, 0] and left[150] == 0
-    redis.Redis.from_url(caps_url).delete(caps.sentinel)
-    assert caps.bound_many([slots[0], gone], lease=5)[1] == -1
     caps.close()

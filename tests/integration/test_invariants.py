@@ -5,6 +5,7 @@ delivered, caps that must hold where they are declared, and values at the edge o
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -222,6 +223,30 @@ def test_a_handler_whose_cap_slot_lapsed_is_told_to_stop_and_retried(
     assert d.delivery.deliver(c.id, c.token, family_hint=fam).outcome is Outcome.RETRIED
     row = _row(database_url, schema, row_id)
     assert row is not None and "cap slot lapsed" in row["last_error"] and row["maybe_applied"]
+
+
+def test_a_young_claims_slot_lost_before_its_start_is_noticed_and_its_handler_stopped(
+    d: Dispatcher, database_url: str, schema: str, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A young claim's row starts without waiting for Redis (its slot is surely held, unless
+    Redis lost it without losing the sentinel: a failover to a replica that missed the
+    acquire). Its renewal's answer says so in the log, and the heartbeat's first renewal
+    tells the handler to stop, as for any slot that lapses while a handler runs."""
+    fam = _name("lost")
+    d.family(fam, per_actor=1, lease=10, heartbeat_timeout=1.5)
+    cmd = _handler(d, fam, _until_cancelled(10))
+    [row_id] = _enqueue(d, database_url, [Message(cmd, {}, actor="L")])
+    [c] = _claim(d, fam)
+    assert d.caps is not None
+    redis.Redis.from_url(redis_url).delete(d.caps.key(fam, "L"))  # lost before the start
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="outbox_dispatch"):
+        assert d.delivery.deliver(c.id, c.token, family_hint=fam).outcome is Outcome.RETRIED
+        d.caps.release_settled([], wait=True)  # what the end of a message reads
+    assert time.monotonic() - t0 < 5  # stopped by the heartbeat, not the handler's 10 s
+    row = _row(database_url, schema, row_id)
+    assert row is not None and "cap slot lapsed" in row["last_error"] and row["maybe_applied"]
+    assert [r for r in caplog.records if r.__dict__.get("action") == "cap_slot_lapsed"]
 
 
 def test_a_cancel_seen_by_a_handler_that_returns_settles_as_cancelled(

@@ -84,6 +84,7 @@ from outbox_dispatch import (
     Outcome,
     PermanentFailure,
 )
+from outbox_dispatch.delivery import LAPSED
 from outbox_dispatch.heartbeat import Running
 from outbox_dispatch.rows import Started
 from outbox_dispatch.settle import SettleKind, StopReason
@@ -1117,14 +1118,15 @@ class ModelMachine(RuleBasedStateMachine):
             assert start in ("stale", None), f"{msg}: begin refused, predicted {start}"
             return
         assert start != "stale", f"{msg}: begin accepted a stale message"
-        if not self.d.delivery._slot_still_held(started, fam):
+        held = self.d.delivery._check_slot(started, fam)
+        if held == LAPSED:
             assert start in ("handback", None), f"{msg}: handed back, predicted {start}"
             self.retire(msg.id, msg.token)
             return
         assert start in ("start", None), f"{msg}: started, predicted {start}"
         self.note_start(msg.id, started.attempts, started.maybe_applied)
         self.unresolved[msg.id] = msg.token
-        _ctx, running = self.d.delivery._context(started, fam)
+        _ctx, running = self.d.delivery._context(started, fam, held=held)
         running.next_at = math.inf  # never the heartbeat thread's to renew
         self.stalls.append(Attempt(msg, started, running))
 

@@ -39,7 +39,7 @@ def test_good_identifier_is_quoted() -> None:
 
 def test_named_queries_are_complete_and_schema_qualified() -> None:
     names = set(raw_queries())
-    assert {"enqueue_insert", "claim_lease", "claim_in_flight", "deliver_begin"} <= names
+    assert {"enqueue_insert", "claim_lease", "claim_capped_candidates", "deliver_begin"} <= names
     for name, text in queries_for("my_schema").items():
         assert "__SCHEMA__" not in text, name
         if "outbox" in text:

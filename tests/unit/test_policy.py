@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox_dispatch import Backoff, ConfigurationError, Family
-from outbox_dispatch.policy import Verdict, builtin_families, claim_limit, decide_failure
+from outbox_dispatch.policy import Verdict, builtin_families, decide_failure
 
 
 @given(
@@ -50,13 +50,6 @@ def test_permanent_failure_parks_on_the_first_attempt() -> None:
     assert (
         decide_failure(Family("f", max_attempts=None), 1, 0, permanent=True).verdict is Verdict.PARK
     )
-
-
-@given(batch=st.integers(1, 5000), cap=st.integers(1, 5000), in_flight=st.integers(0, 10_000))
-def test_claim_limit_respects_in_flight_cap(batch: int, cap: int, in_flight: int) -> None:
-    n = claim_limit(batch, cap, in_flight)
-    assert 0 <= n <= batch
-    assert n + in_flight <= max(cap, in_flight)
 
 
 @pytest.mark.parametrize(
