@@ -238,6 +238,15 @@ class Caps:
         failure is logged: the slots expire with their leases, the cap stays safe."""
         return self._writes.release(slots, database, wait=wait)
 
+    def hold_releases(self, slots: Sequence[Slot], database: str | None = None) -> None:
+        """``release_settled`` for the rows a delivery start settled, kept unsent until the
+        start's renewal carries them, or ``send_held_releases``: one write (caps_pipelined.py)."""
+        self._writes.hold(slots, database)
+
+    def send_held_releases(self) -> set[str]:
+        """Write the held releases now (a start that renews nothing); the families to wake."""
+        return self._writes.send_held()
+
     def release_many(self, slots: Sequence[Slot]) -> None:
         """Return slots a claim took but did not use (nothing was settled: no freed note)."""
         if not slots:

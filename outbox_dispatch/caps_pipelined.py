@@ -8,6 +8,10 @@ Two writes ride here, on one connection per process:
   (delivery.py): the renewal only bounds the slot to the heartbeat timeout, as the row's lease
   now is, so that a killed worker's slot frees with its row; nothing waits on its answer.
 
+A start's releases (the rows its statement settled) are held back, unsent, until the start's
+renewal carries them: one write for both, since each write costs the pool process a system
+call and a wake-up of Redis; the start sends them alone when it renews nothing.
+
 Answers are read later: with the next write (what has arrived), or at the end of the message
 and by the settles' thread (everything). Redis runs commands in the order they arrive, so a
 write takes effect once Redis has read it, whoever reads the answer. An answer lost with the
@@ -55,6 +59,22 @@ class PipelinedSlotWrites:
         self._conn: Any = None
         self._pid = 0
         self._sent: collections.deque[Sent] = collections.deque()  # answers not read yet
+        self._held: list[Sent] = []  # releases not written yet: the next write carries them
+        self._held_pid = 0
+
+    def hold(self, slots: Sequence[Slot], database: str | None) -> None:
+        """Keep the releases of ``slots`` for the next write (no I/O): see ``send_held``."""
+        with self._lock:
+            if self._held_pid != os.getpid():
+                self._held.clear()  # a forked child never sends its parent's
+                self._held_pid = os.getpid()
+            self._held += [Sent(s, database) for s in slots]
+
+    def send_held(self) -> set[str]:
+        """Write the held releases, if any are left; the families to wake, as ``release``."""
+        if not self._held:
+            return set()
+        return self._write([], False)
 
     def release(self, slots: Sequence[Slot], database: str | None, *, wait: bool) -> set[str]:
         """Send the releases of ``slots``; return the families whose claimer should be woken,
@@ -68,6 +88,9 @@ class PipelinedSlotWrites:
 
     def _write(self, writes: list[Sent], wait: bool) -> set[str]:
         with self._lock:
+            if self._held and self._held_pid == os.getpid():
+                writes = self._held + writes
+            self._held = []
             if not writes and not self._sent:
                 return set()
             try:

@@ -16,7 +16,7 @@ thread's statement, at most ``WINDOW`` later) leaves the row started, so it runs
 its lease with ``maybe_applied`` set, the same outcome as a kill just before the settle. A
 row that holds a cap slot gives it back right after the statement that settled it committed,
 before the next handler runs; after a start, the release is written to Redis without waiting
-for its answer (caps_release.py), which the thread, or the end of the message, reads.
+for its answer (caps_pipelined.py), which the thread, or the end of the message, reads.
 Ordered rows (their settle promotes the actor's next row in the same transaction) and
 transactional handlers (their settle is their commit) are not deferred.
 """

@@ -275,12 +275,14 @@ class Delivery:
         renew_until: float | None = None,
     ) -> Result:
         started = self._start(row_id, token, family_hint)
+        family = None if started is None else self.families.get(started.family)
+        held = None if started is None or family is None else self._check_slot(started, family)
+        if self.caps is not None:  # the releases the start held, unless its renewal took them
+            self._woken(self.caps.send_held_releases())
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
             return Result(Outcome.STALE, row_id, why)
-        family = self.families.get(started.family)
-        held = None if family is None else self._check_slot(started, family)
         if held == LAPSED:
             return Result(Outcome.STALE, row_id, "cap slot lapsed")
         reg = self.registry.registration(started.command)
@@ -360,13 +362,19 @@ class Delivery:
     def _release_settled(self, rows: list[Started], wait: bool) -> None:
         """The cap slots of rows the deferred settles just settled, sent in one write; ``wait``
         (the thread, the flush at a batched message's end): read every answer, so that a
-        freed slot's claim is not left waiting for the next release (caps_release.py)."""
+        freed slot's claim is not left waiting for the next release (caps_pipelined.py)."""
         slots = [slot for started in rows if (slot := self._slot_of(started)) is not None]
         if self.caps is None or not (slots or wait):
             return
-        woken = self.caps.release_settled(slots, self.caps_database, wait=wait)
-        for family_name in sorted(woken):
-            self.on_slot_freed(family_name)  # a claim lets a waiting row in
+        if not wait:  # a start's: held for the write of its renewal (see deliver)
+            self.caps.hold_releases(slots, self.caps_database)
+            return
+        self._woken(self.caps.release_settled(slots, self.caps_database, wait=wait))
+
+    def _woken(self, families: set[str]) -> None:
+        """Release answers said these families' claimers should let a waiting row in."""
+        for family_name in sorted(families):
+            self.on_slot_freed(family_name)
 
     def _settle_refused(self, kind: SettleKind, started: Started) -> None:
         """A deferred settle the batch statement skipped: a cancel request arrived, or the
@@ -497,8 +505,8 @@ class Delivery:
         left = slot_surely_left(started.claim_age, family)
         if left is not None:
             slot = Slot(started.family, started.actor, started.token, rule.limit, rule.scope)
-            for family_name in sorted(self.caps.renew_started(slot, family.heartbeat_timeout)):
-                self.on_slot_freed(family_name)  # an earlier release's answer asked for it
+            # written with the releases the start held back (one write for both)
+            self._woken(self.caps.renew_started(slot, family.heartbeat_timeout))
             return min(left, family.heartbeat_timeout)
         try:
             state = self.caps.renew(

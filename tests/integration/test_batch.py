@@ -286,7 +286,7 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
     assert len(claimed) == 4  # cap 2 per actor: the fifth row waits
     calls: list[int] = []
     statements: list[int] = []
-    real, settle_many = caps.release_settled, dispatcher.store.settle_many
+    real, hold, settle_many = caps.release_settled, caps.hold_releases, dispatcher.store.settle_many
 
     ours = {c.token for c in claimed}  # the session worker may settle other rows meanwhile
 
@@ -295,12 +295,19 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
             calls.append(n)
         return real(slots, database, wait=wait)
 
+    def hold_releases(slots: Any, database: Any = None) -> None:
+        """A start's releases: written with its row's renewal, before its handler runs."""
+        if n := sum(s.token in ours for s in slots):
+            calls.append(n)
+        hold(slots, database)
+
     def counted_settle_many(kind: Any, pairs: Any) -> set[int]:
         if n := sum(token in ours for _, token in pairs):
             statements.append(n)
         return settle_many(kind, pairs)
 
     caps.release_settled = release_settled  # type: ignore[method-assign]
+    caps.hold_releases = hold_releases  # type: ignore[method-assign]
     dispatcher.store.settle_many = counted_settle_many  # type: ignore[method-assign]
     # the thread leaves what no start carried to the batch's end
     monkeypatch.setattr("outbox_dispatch.deferred_settles.SLOT_WINDOW", 5.0)
@@ -309,7 +316,7 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
             [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True
         )
     finally:
-        del caps.release_settled, dispatcher.store.settle_many
+        del caps.release_settled, caps.hold_releases, dispatcher.store.settle_many
     assert [r.outcome for r in results] == [Outcome.DELIVERED] * 4
     assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]  # settled and freed before the next start
     assert statements == [1]  # the last row, at the message's end

@@ -517,6 +517,30 @@ def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
     caps.close()
 
 
+def test_a_starts_held_releases_go_out_with_its_renewal_or_alone(
+    caps_url: str, run_id: str
+) -> None:
+    """The releases of the rows a delivery start settled are held (no write) until that
+    start's renewal carries them, one write for both; a start that renews nothing sends
+    them alone. Either way the wake they ask for is not lost."""
+    caps = Caps(caps_url, f"t{run_id}held")
+    caps.restore([])
+    a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
+    assert caps.acquire_many([a, b], lease=30) == [True, True]
+    caps.hold_releases([a])
+    assert caps.holders("f", "a") == [str(a.token)]  # nothing written yet
+    woken = caps.renew_started(b, lease=5)
+    woken |= caps.release_settled([], wait=True)
+    assert woken == {"f"}
+    assert caps.holders("f", "a") == [] and 4000 <= _left_ms(caps, b) <= 5000
+    caps.hold_releases([b])
+    woken = caps.send_held_releases()
+    woken |= caps.release_settled([], wait=True)
+    assert caps.holders("f", "b") == []
+    assert caps.send_held_releases() == set()  # nothing held: no write
+    caps.close()
+
+
 def test_a_release_sent_before_redis_lost_its_scripts_runs_again_once(
     caps_url: str, run_id: str
 ) -> None:
