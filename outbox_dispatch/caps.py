@@ -232,15 +232,16 @@ class Caps:
     def release_settled(
         self, slots: Sequence[Slot], database: str | None = None, *, wait: bool = True
     ) -> set[str]:
-        """``release`` for the slots of rows just settled, sent without waiting for Redis's
+        """``release`` for the slots of finished rows, sent without waiting for Redis's
         answers (caps_pipelined.py); returns the families whose claimer of ``database`` should be
         woken, from the answers read: all of them with ``wait``, else those already in. A
         failure is logged: the slots expire with their leases, the cap stays safe."""
         return self._writes.release(slots, database, wait=wait)
 
     def hold_releases(self, slots: Sequence[Slot], database: str | None = None) -> None:
-        """``release_settled`` for the rows a delivery start settled, kept unsent until the
-        start's renewal carries them, or ``send_held_releases``: one write (caps_pipelined.py)."""
+        """``release_settled`` for rows whose handlers returned, kept unsent until the next
+        write carries them (the next start's renewal, ``send_held_releases``, or a
+        ``release_settled`` at the message's end): one write for both (caps_pipelined.py)."""
         self._writes.hold(slots, database)
 
     def send_held_releases(self) -> set[str]:

@@ -1,16 +1,16 @@
 """Cap slot writes on the delivery path, sent to Redis without waiting for the answer.
 
 Two writes ride here, on one connection per process:
-- A delivered row's release, right after the statement that settled it. Waiting for its
-  answer cost a capped row about 0.2 ms of its pool process on two busy cores, and the answer
-  only says whether to wake the claimer.
+- A delivered row's release, when its handler returned (a cap counts running handlers; its
+  settle follows, deferred). Waiting for its answer cost a capped row about 0.2 ms of its pool
+  process on two busy cores, and the answer only says whether to wake the claimer.
 - A starting row's renewal, when its claim is young enough that its slot is surely still held
   (delivery.py): the renewal only bounds the slot to the heartbeat timeout, as the row's lease
   now is, so that a killed worker's slot frees with its row; nothing waits on its answer.
 
-A start's releases (the rows its statement settled) are held back, unsent, until the start's
-renewal carries them: one write for both, since each write costs the pool process a system
-call and a wake-up of Redis; the start sends them alone when it renews nothing.
+A release is held back, unsent, until the next write carries it: the renewal of the next row's
+start (one write for both, since each write costs the pool process a system call and a
+wake-up of Redis), or the end of the message; a start that renews nothing sends it alone.
 
 Answers are read later: with the next write (what has arrived), or at the end of the message
 and by the settles' thread (everything). Redis runs commands in the order they arrive, so a

@@ -7,18 +7,17 @@ statement that starts the next attempt first settles the row delivered before it
 deleted, one kept as done; ``Store.start``), so that settle costs no round trip of its own,
 and it commits with the start, before the next handler runs. What no start carried within
 ``WINDOW`` (the last row of a burst, low load) this module's thread settles, several rows per
-fenced statement; rows that hold a cap slot within ``SLOT_WINDOW``. A settle that is refused
+fenced statement. A settle that is refused
 (a cancel request arrived, or the claim was lost) goes back to the one-row path, which
 records it as cancelled or lost.
 
 What this costs: a worker killed between a handler's success and the next start (or the
 thread's statement, at most ``WINDOW`` later) leaves the row started, so it runs again after
 its lease with ``maybe_applied`` set, the same outcome as a kill just before the settle. A
-row that holds a cap slot gives it back right after the statement that settled it committed,
-before the next handler runs; after a start, the release is written to Redis without waiting
-for its answer (caps_pipelined.py), which the thread, or the end of the message, reads.
-Ordered rows (their settle promotes the actor's next row in the same transaction) and
-transactional handlers (their settle is their commit) are not deferred.
+row's cap slot does not wait for its settle here: a cap counts running handlers, so the slot
+goes back when the handler returns (delivery.py). Ordered rows (their settle promotes the
+actor's next row in the same transaction) and transactional handlers (their settle is their
+commit) are not deferred.
 """
 
 from __future__ import annotations
@@ -40,24 +39,23 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 # Seconds a delivered row may wait for the next start to carry its settle before the thread
-# settles it; a row with a cap slot waits less, as the slot goes back only after the settle.
+# settles it.
 WINDOW = 0.02
-SLOT_WINDOW = 0.002
 
-Pending = list[tuple[SettleKind, Started, bool]]  # (kind, row, whether it holds a cap slot)
+Pending = list[tuple[SettleKind, Started]]
 
 
 def by_kind(batch: Pending) -> dict[SettleKind, list[tuple[int, Started]]]:
     """The rows of a batch per settle kind, as (id, row), in the order they were added."""
     out: dict[SettleKind, list[tuple[int, Started]]] = {}
-    for kind, started, _slot in batch:
+    for kind, started in batch:
         out.setdefault(kind, []).append((started.id, started))
     return out
 
 
 def carried(batch: Pending) -> dict[SettleKind, tuple[int, UUID]]:
     """What a start's statement settles: the (id, token) of each kind's row in ``batch``."""
-    return {kind: (s.id, s.token) for kind, s, _ in batch}
+    return {kind: (s.id, s.token) for kind, s in batch}
 
 
 class DeferredSettles:
@@ -65,12 +63,9 @@ class DeferredSettles:
         self,
         store: Store,
         refused: Callable[[SettleKind, Started], None],
-        settled: Callable[[list[Started], bool], None] = lambda rows, wait: None,
     ) -> None:
         self.store = store
         self.refused = refused  # the one-row settle, for rows the batch statement skipped
-        # after the commit: give back the rows' cap slots (bool: wait for Redis's answers)
-        self.settled = settled
         self._pending: Pending = []
         self._after: list[tuple[SettleKind, Started]] = []  # refused settles a start carried
         self._first_add = 0.0
@@ -80,10 +75,10 @@ class DeferredSettles:
         self._thread: threading.Thread | None = None
         self._pid = 0
 
-    def add(self, kind: SettleKind, started: Started, slot: bool = False) -> None:
-        """A delivered row to settle; ``slot``: it holds a cap slot to give back afterwards."""
+    def add(self, kind: SettleKind, started: Started) -> None:
+        """A delivered row to settle."""
         with self._lock:
-            self._pending.append((kind, started, slot))
+            self._pending.append((kind, started))
             if len(self._pending) == 1:
                 self._first_add = time.monotonic()
             wake = self._rouse()
@@ -100,7 +95,7 @@ class DeferredSettles:
         """What a start carries: the last pending row of each kind (a start settles at most
         one row of each), the rest stays for the thread; see ``landed`` and ``give_back``."""
         with self._lock:
-            last = {kind: k for k, (kind, _s, _slot) in enumerate(self._pending)}
+            last = {kind: k for k, (kind, _s) in enumerate(self._pending)}
             picked = set(last.values())
             batch = [p for k, p in enumerate(self._pending) if k in picked]
             self._pending = [p for k, p in enumerate(self._pending) if k not in picked]
@@ -118,13 +113,9 @@ class DeferredSettles:
             self._wake.set()
 
     def landed(self, batch: Pending, settled: set[int]) -> None:
-        """A start's statement settled ``settled`` of ``batch``: the cap slots of those rows go
-        back now (before the next handler runs), the refused ones to the one-row path, by the
-        thread."""
-        done = [s for _, s, slot in batch if slot and s.id in settled]
-        if done:
-            self.settled(done, False)  # the next handler does not wait for Redis
-        refused = [(kind, s) for kind, s, _ in batch if s.id not in settled]
+        """A start's statement settled ``settled`` of ``batch``: the refused ones go to the
+        one-row path, by the thread."""
+        refused = [(kind, s) for kind, s in batch if s.id not in settled]
         if not refused:
             return
         with self._lock:
@@ -136,7 +127,7 @@ class DeferredSettles:
     def flush(self) -> None:
         """Settle everything pending now (the end of a batched message, worker shutdown,
         tests), and finish what the starts that carried settles left to do."""
-        self._finish(*self._settle(self.take()))
+        self._finish(self._settle(self.take()))
         self._wake.set()  # a thread waiting for a row that is settled now looks again
 
     def _rouse(self) -> bool:
@@ -166,7 +157,7 @@ class DeferredSettles:
                     # a start may carry the row meanwhile; a flush wakes this early
                     self._wake.wait(min(wait, WINDOW))
                 else:
-                    self._finish(*self._settle(self.take()))
+                    self._finish(self._settle(self.take()))
             except Exception as exc:  # never let the thread die: the next rows need it
                 event(log, logging.ERROR, "settle_batch_failed", repr(exc))
                 time.sleep(WINDOW)
@@ -176,25 +167,19 @@ class DeferredSettles:
         pending); called with the lock held."""
         if not self._pending:
             return None
-        window = SLOT_WINDOW if any(slot for _, _, slot in self._pending) else WINDOW
-        return self._first_add + window - time.monotonic()
+        return self._first_add + WINDOW - time.monotonic()
 
-    def _finish(self, done: list[Started], refused: list[tuple[SettleKind, Started]]) -> None:
-        """After settles committed: give back the cap slots of the rows settled (one round
-        trip), then record the refused settles (also those a start carried) on the one-row
-        path."""
+    def _finish(self, refused: list[tuple[SettleKind, Started]]) -> None:
+        """After settles committed: record the refused settles (also those a start carried)
+        on the one-row path."""
         with self._lock:
             refused, self._after = [*refused, *self._after], []
-        self.settled(done, True)  # also reads the answers of releases sent before
         for kind, s in refused:
             self.refused(kind, s)
 
-    def _settle(self, batch: Pending) -> tuple[list[Started], list[tuple[SettleKind, Started]]]:
-        """Settle a batch, one statement per kind; returns the settled rows that hold a cap
-        slot, and the refused ones."""
-        done: list[Started] = []
+    def _settle(self, batch: Pending) -> list[tuple[SettleKind, Started]]:
+        """Settle a batch, one statement per kind; returns the refused rows."""
         refused: list[tuple[SettleKind, Started]] = []
-        slots = {s.id for _, s, slot in batch if slot}
         for kind, rows in by_kind(batch).items():
             try:
                 settled = self.store.settle_many(kind, [(i, s.token) for i, s in rows])
@@ -209,6 +194,5 @@ class DeferredSettles:
                     "their lease with maybe_applied",
                 )
                 continue
-            done += [s for i, s in rows if i in settled and i in slots]
             refused += [(kind, s) for i, s in rows if i not in settled]
-        return done, refused
+        return refused

@@ -145,7 +145,7 @@ class Delivery:
         self.rand = rand
         self.run_times = run_times
         self.heartbeats = Heartbeats(store)
-        self.deferred = DeferredSettles(store, self._settle_refused, self._release_settled)
+        self.deferred = DeferredSettles(store, self._settle_refused)
 
     def deliver_message(
         self, args: tuple[Any, ...], *, family_hint: str | None = None, defer: bool = False
@@ -162,9 +162,7 @@ class Delivery:
             shown = repr(args)[:200]
             event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
             results = [Result(Outcome.STALE, None, "garbage message")]
-        # the answers of slot releases sent without waiting: a freed slot's wake must not
-        # wait for this process's next release (a no-op when none is unread)
-        self._release_settled([], True)
+        self._flush_slot_writes()
         for r in results:
             metrics.outcome(family_hint, r.outcome.value, self.database)
         return results
@@ -212,6 +210,7 @@ class Delivery:
             # one that kills the process must not take finished rows with it (they would run
             # again, flagged maybe_applied); one statement per message, not per row
             self.deferred.flush()
+        self._flush_slot_writes()
         return results
 
     def _start_checked(self, started: Started, family: Family | None) -> Result:
@@ -344,10 +343,13 @@ class Delivery:
         if not settle.delivers:
             return self._finish(started, family, settle, elapsed)
         if defer and not family.ordered and running.stop_reason() is None:
-            # off the hot path: nothing waits on this settle but the row's cap slot, which is
-            # given back once the settle committed (no ordered line moves on it); a row
-            # cancelled while it ran settles now, so that its outcome says so
-            self.deferred.add(settle.kind, started, self._slot_of(started) is not None)
+            # off the hot path: nothing waits on this settle (no ordered line moves on it); a
+            # row cancelled while it ran settles now, so that its outcome says so
+            self.deferred.add(settle.kind, started)
+            if self.caps is not None and (slot := self._slot_of(started)) is not None:
+                # a cap counts running handlers: this one returned, so its slot goes back now,
+                # written with the next row's renewal or at the message's end (no round trip)
+                self.caps.hold_releases([slot], self.caps_database)
             if log.isEnabledFor(logging.INFO):
                 event(
                     log,
@@ -359,17 +361,12 @@ class Delivery:
             return Result(Outcome.DELIVERED, started.id)
         return self._finish(started, family, settle, elapsed)
 
-    def _release_settled(self, rows: list[Started], wait: bool) -> None:
-        """The cap slots of rows the deferred settles just settled, sent in one write; ``wait``
-        (the thread, the flush at a batched message's end): read every answer, so that a
-        freed slot's claim is not left waiting for the next release (caps_pipelined.py)."""
-        slots = [slot for started in rows if (slot := self._slot_of(started)) is not None]
-        if self.caps is None or not (slots or wait):
-            return
-        if not wait:  # a start's: held for the write of its renewal (see deliver)
-            self.caps.hold_releases(slots, self.caps_database)
-            return
-        self._woken(self.caps.release_settled(slots, self.caps_database, wait=wait))
+    def _flush_slot_writes(self) -> None:
+        """The end of a message: write the slot releases still held and read every answer of
+        the writes sent without waiting, so that a freed slot's wake does not wait for this
+        process's next message (a no-op when nothing is held or unread)."""
+        if self.caps is not None:
+            self._woken(self.caps.release_settled([], self.caps_database, wait=True))
 
     def _woken(self, families: set[str]) -> None:
         """Release answers said these families' claimers should let a waiting row in."""
@@ -378,9 +375,11 @@ class Delivery:
 
     def _settle_refused(self, kind: SettleKind, started: Started) -> None:
         """A deferred settle the batch statement skipped: a cancel request arrived, or the
-        claim was lost; the one-row path records which."""
+        claim was lost; the one-row path records which (the row's cap slot went back when
+        its handler returned)."""
         family = self.families.get(started.family) or Family(started.family)
-        self._finish(started, family, Settle(kind))
+        applied = self._settle(Settle(kind), started, family, release=False)
+        _report(started, Result(outcome(applied), started.id), Settle(kind), 0.0)
 
     def _run_in_transaction(
         self, started: Started, family: Family, fn: HandlerFn, running: Running

@@ -258,10 +258,11 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
     schema: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In a batched message of capped rows, each success is settled by the start of the row
-    after it and its cap slot goes back right then, before that row's handler runs: no slot
-    outlives its row, and an actor's next row never waits on a finished one. The last row is
-    settled at the message's end; the freed slots let an actor's waiting row in."""
+    """In a batched message of capped rows, each row's cap slot goes back when its handler
+    returns (a cap counts running handlers), written with the next row's renewal before that
+    row's handler runs, and its settle is carried by that row's start: an actor's next row
+    never waits on a finished one. The last row is settled at the message's end, and its slot
+    written then; the freed slots let an actor's waiting row in."""
     caps = dispatcher.caps
     assert caps is not None
     actors = [f"r{time.monotonic_ns()}", f"s{time.monotonic_ns()}"]
@@ -296,7 +297,8 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
         return real(slots, database, wait=wait)
 
     def hold_releases(slots: Any, database: Any = None) -> None:
-        """A start's releases: written with its row's renewal, before its handler runs."""
+        """A returned handler's release: written with the next write (the next row's
+        renewal, or the message's end)."""
         if n := sum(s.token in ours for s in slots):
             calls.append(n)
         hold(slots, database)
@@ -310,7 +312,7 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
     caps.hold_releases = hold_releases  # type: ignore[method-assign]
     dispatcher.store.settle_many = counted_settle_many  # type: ignore[method-assign]
     # the thread leaves what no start carried to the batch's end
-    monkeypatch.setattr("outbox_dispatch.deferred_settles.SLOT_WINDOW", 5.0)
+    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 5.0)
     try:
         results = dispatcher.delivery.deliver_batch(
             [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True
@@ -318,7 +320,7 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
     finally:
         del caps.release_settled, caps.hold_releases, dispatcher.store.settle_many
     assert [r.outcome for r in results] == [Outcome.DELIVERED] * 4
-    assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]  # settled and freed before the next start
+    assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]  # freed and settled before the next start
     assert statements == [1]  # the last row, at the message's end
     assert calls == [1, 1, 1, 1]
     assert held() == 0
