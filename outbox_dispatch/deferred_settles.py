@@ -7,9 +7,8 @@ statement that starts the next attempt first settles the row delivered before it
 deleted, one kept as done; ``Store.start``), so that settle costs no round trip of its own,
 and it commits with the start, before the next handler runs. What no start carried within
 ``WINDOW`` (the last row of a burst, low load) this module's thread settles, several rows per
-fenced statement. A settle that is refused
-(a cancel request arrived, or the claim was lost) goes back to the one-row path, which
-records it as cancelled or lost.
+fenced statement. A settle that is refused (a cancel request arrived, or the claim was lost)
+goes back to the one-row path, which records it as cancelled or lost.
 
 What this costs: a worker killed between a handler's success and the next start (or the
 thread's statement, at most ``WINDOW`` later) leaves the row started, so it runs again after

@@ -19,7 +19,7 @@ from .errors import DatabaseUnavailable, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
-from .policy import CapRule, Family, cap_rule, family_is_capped
+from .policy import CapRule, Family, cap_rule
 from .pool import Conn
 from .rows import Started
 from .runstats import RunTimes
@@ -127,7 +127,6 @@ class Delivery:
             lambda family, command, actor: cap_rule(family, command, None, actor)
         ),
         on_slot_freed: Callable[[str], None] = lambda family: None,
-        is_capped: Callable[[Family], bool] = lambda family: family_is_capped(family, False),
         rand: Callable[[], float] = random.random,
         run_times: RunTimes | None = None,
         database: str = "default",
@@ -141,7 +140,6 @@ class Delivery:
         self.caps = caps
         self.cap_rule = cap_rule
         self.on_slot_freed = on_slot_freed
-        self.is_capped = is_capped
         self.rand = rand
         self.run_times = run_times
         self.heartbeats = Heartbeats(store)
@@ -276,7 +274,7 @@ class Delivery:
         started = self._start(row_id, token, family_hint)
         family = None if started is None else self.families.get(started.family)
         held = None if started is None or family is None else self._check_slot(started, family)
-        if self.caps is not None:  # the releases the start held, unless its renewal took them
+        if self.caps is not None:  # returned handlers' releases, unless the renewal took them
             self._woken(self.caps.send_held_releases())
         if started is None:
             why = self.store.why_stale(row_id, token)
@@ -378,8 +376,7 @@ class Delivery:
         claim was lost; the one-row path records which (the row's cap slot went back when
         its handler returned)."""
         family = self.families.get(started.family) or Family(started.family)
-        applied = self._settle(Settle(kind), started, family, release=False)
-        _report(started, Result(outcome(applied), started.id), Settle(kind), 0.0)
+        self._finish(started, family, Settle(kind), release=False)
 
     def _run_in_transaction(
         self, started: Started, family: Family, fn: HandlerFn, running: Running
@@ -448,10 +445,17 @@ class Delivery:
         return after_failure(family, started.attempts, self.rand(), error)
 
     def _finish(
-        self, started: Started, family: Family | None, settle: Settle, elapsed: float = 0.0
+        self,
+        started: Started,
+        family: Family | None,
+        settle: Settle,
+        elapsed: float = 0.0,
+        *,
+        release: bool = True,
     ) -> Result:
-        """Apply the settle decided for an attempt, and say what it came to."""
-        applied = self._settle(settle, started, family)
+        """Apply the settle decided for an attempt, and say what it came to; ``release``: give
+        the row's cap slot back afterwards (not when it went back as its handler returned)."""
+        applied = self._settle(settle, started, family, release=release)
         due_in = settle.delay if applied is SettleKind.RETRY else None
         result = Result(outcome(applied), started.id, settle.error or "", due_in)
         _report(started, result, settle, elapsed)
@@ -486,12 +490,9 @@ class Delivery:
             return None
         return self._slot(family, started.command, started.actor, started.token)
 
-    def _capped(self, started: Started, family: Family) -> bool:
-        return self._rule(started, family) is not None
-
     def _check_slot(self, started: Started, family: Family) -> float | None:
         """A capped row may only start while its slot is live: if the slot lapsed, another row
-        of the actor may hold it now, so the row goes back, due, uncounted (returns 0). A
+        of the actor may hold it now, so the row goes back, due, uncounted (returns LAPSED). A
         young claim's slot is surely held (``slot_surely_left``): its renewal to the heartbeat
         timeout, which a killed worker's slot must end with, is sent without waiting, and the
         seconds it surely has are returned; an older one is renewed and waited for (None: a
@@ -504,7 +505,7 @@ class Delivery:
         left = slot_surely_left(started.claim_age, family)
         if left is not None:
             slot = Slot(started.family, started.actor, started.token, rule.limit, rule.scope)
-            # written with the releases the start held back (one write for both)
+            # written with the releases held back since the last write (one write for all)
             self._woken(self.caps.renew_started(slot, family.heartbeat_timeout))
             return min(left, family.heartbeat_timeout)
         try:

@@ -232,7 +232,6 @@ class Dispatcher:
             caps=self.caps,
             cap_rule=self.cap_rule,
             on_slot_freed=partial(self.request_claim, database=name),
-            is_capped=self.is_capped,
             run_times=RunTimes(store),
             database=name,
             primary=primary,
