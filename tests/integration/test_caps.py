@@ -489,7 +489,7 @@ def test_pipelined_scripts_work_as_a_fresh_process_s_first_call_and_after_a_scri
 
 
 def _left_ms(caps: Caps, slot: Slot) -> float:
-    """Milliseconds the slot has left, in Redis time (None if it holds nothing)."""
+    """Milliseconds the slot has left, in Redis time (it must hold one)."""
     r = caps.client
     score = r.zscore(caps.key(slot.family, slot.actor, slot.scope), str(slot.token))
     assert score is not None, f"{slot} holds nothing"
@@ -517,12 +517,10 @@ def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
     caps.close()
 
 
-def test_a_starts_held_releases_go_out_with_its_renewal_or_alone(
-    caps_url: str, run_id: str
-) -> None:
-    """The releases of the rows a delivery start settled are held (no write) until that
-    start's renewal carries them, one write for both; a start that renews nothing sends
-    them alone. Either way the wake they ask for is not lost."""
+def test_held_releases_go_out_with_the_next_renewal_or_alone(caps_url: str, run_id: str) -> None:
+    """The releases of rows whose handlers returned are held (no write) until the next
+    start's renewal carries them, one write for both; a start that renews nothing, or the
+    end of the message, sends them alone. Either way the wake they ask for is not lost."""
     caps = Caps(caps_url, f"t{run_id}held")
     caps.restore([])
     a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
