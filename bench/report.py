@@ -224,10 +224,16 @@ def round_ratios(ours: Throughput, theirs: Throughput) -> list[float]:
     return [ours.per_second / theirs.per_second] if theirs.per_second > 0 else []
 
 
+def median_round_ratio(ours: Throughput, theirs: Throughput) -> float | None:
+    """The median of the rounds' ratios (None: none to take)."""
+    ratios = round_ratios(ours, theirs)
+    return statistics.median(ratios) if ratios else None
+
+
 def median_ratio(ours: Throughput, theirs: Throughput) -> str:
     """The median of the rounds' ratios as the tables show it (``-``: none to take)."""
-    ratios = round_ratios(ours, theirs)
-    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
+    value = median_round_ratio(ours, theirs)
+    return "-" if value is None else ratio(value, 1.0)
 
 
 def ratio(ours: float, theirs: float) -> str:
@@ -283,8 +289,8 @@ def peer_ratios(figures: list[Throughput]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"peer": f.system, "peer rows/s": round(f.per_second, 1)}
         for label, scenario in (("default", DEFAULT), ("batch=1", PER_ROW)):
             ours = by.get(scenario)
-            ratios = round_ratios(ours, f) if ours else []
-            row[f"{label} ours/theirs"] = round(statistics.median(ratios), 2) if ratios else None
+            value = median_round_ratio(ours, f) if ours else None
+            row[f"{label} ours/theirs"] = None if value is None else round(value, 2)
         out.append(row)
     return out
 

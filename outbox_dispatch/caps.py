@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -134,7 +134,12 @@ class Caps:
         slots (each run holds Redis while it loops); raises CapsIncomplete after a data loss."""
         if not slots:
             return []
-        calls = self._chunked(slots, int(lease * 1000), lambda s: [str(s.token), s.cap])
+        ms = int(lease * 1000)
+        calls = []
+        for at in range(0, len(slots), SLOTS_PER_RUN):  # a script run per SLOTS_PER_RUN slots
+            chunk = slots[at : at + SLOTS_PER_RUN]
+            keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
+            calls.append((keys, [ms, *(x for s in chunk for x in (str(s.token), s.cap))]))
         try:
             answers = self._pipelined("acquire", calls)
         except redis.RedisError as exc:
@@ -163,7 +168,7 @@ class Caps:
         ``heartbeat``: on the short-timeout connection."""
         return self._run(
             "renew",
-            [self.key(family, actor, scope), self.sentinel],
+            self.renew_keys(family, actor, scope),
             [str(token), int(lease * 1000)],
             self.renew_client if heartbeat else None,
         )
@@ -172,18 +177,6 @@ class Caps:
         """A starting row's renewal, sent without waiting (caps_pipelined.py): only for a slot
         surely still held. Returns the families to wake, from earlier releases' answers."""
         return self._writes.renew(slot, lease)
-
-    def _chunked(
-        self, slots: Sequence[Slot], ms: int, per_slot: Callable[[Slot], list[Any]]
-    ) -> list[tuple[list[str], list[Any]]]:
-        """The (keys, args) of the script runs for ``slots``, ``SLOTS_PER_RUN`` slots a run:
-        the sentinel then each slot's semaphore; ``ms``, then each slot's own arguments."""
-        calls = []
-        for at in range(0, len(slots), SLOTS_PER_RUN):
-            chunk = slots[at : at + SLOTS_PER_RUN]
-            keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
-            calls.append((keys, [ms, *(x for s in chunk for x in per_slot(s))]))
-        return calls
 
     def freed_key(self, family: str, database: str | None = None) -> str:
         """Freed slots for one database's claimer of the family (None: the first database)."""
@@ -223,6 +216,9 @@ class Caps:
                 actor=actor,
             )
             return False
+
+    def renew_keys(self, family: str, actor: str, scope: str) -> list[str]:
+        return [self.key(family, actor, scope), self.sentinel]
 
     def release_keys(self, family: str, actor: str, scope: str, database: str | None) -> list[str]:
         wake = f"{self.prefix}:wake:" + (family if database is None else f"{database}:{family}")

@@ -115,7 +115,7 @@ class PipelinedSlotWrites:
     def _command(self, w: Sent) -> tuple[Any, ...]:
         s = w.slot
         if w.renew_ms:
-            keys = [self.caps.key(s.family, s.actor, s.scope), self.caps.sentinel]
+            keys = self.caps.renew_keys(s.family, s.actor, s.scope)
             args: list[Any] = [str(s.token), w.renew_ms]
             return ("EVALSHA", self.caps.script_sha("renew"), len(keys), *keys, *args)
         keys = self.caps.release_keys(s.family, s.actor, s.scope, w.database)
