@@ -14,6 +14,7 @@ from psycopg_pool import ConnectionPool
 
 from .forksafe import ForkSafeLock
 from .logs import MaskDsnFilter
+from .sqlfiles import raw_queries
 
 Conn = psycopg.Connection[Any]
 
@@ -28,12 +29,18 @@ def _mask_pool_logs() -> None:
         pool_log.addFilter(_POOL_FILTER)
 
 
-def _read_committed(conn: Conn) -> None:
-    """The main pool's transactions are READ COMMITTED whatever the server's, role's or
-    pooler's default: a claim counts what is in flight after it holds the family lock, so its
-    statements need snapshots taken after the lock, not at the transaction's first statement
-    (under REPEATABLE READ it would lease past max_in_flight, or fail to serialize)."""
+def _main_session(conn: Conn) -> None:
+    """The main pool's sessions, whatever the server's, role's, URL's or pooler's defaults:
+
+    - READ COMMITTED: a claim counts what is in flight after it holds the family lock, so its
+      statements need snapshots taken after the lock, not at the transaction's first statement
+      (under REPEATABLE READ it would lease past max_in_flight, or fail to serialize).
+    - Commits that wait for the disk, locally where the default is ``synchronous_commit=off``:
+      a retry, park, cancel or ordered settle lost in a crash of Postgres would run its row
+      again. The writes that need not wait say so per transaction (settle_without_flush, and
+      the claim or the start, whichever does not flush: guarantees.md)."""
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    conn.execute(raw_queries()["session_commits_flush"])
 
 
 class Pools:
@@ -77,7 +84,7 @@ class Pools:
                     min_size=low,
                     max_size=high,
                     kwargs={"autocommit": True, **extra},
-                    configure=_read_committed if role == "outbox" else None,
+                    configure=_main_session if role == "outbox" else None,
                     open=True,
                     name=f"{role}-{self.schema}",
                 )

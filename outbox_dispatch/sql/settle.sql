@@ -66,6 +66,13 @@ WHERE o.id = p.id AND o.claim_token = p.token
   AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id)
 RETURNING o.id;
 
+-- name: session_commits_flush
+-- A main-pool session's commits wait for the disk: locally where the server's (or the role's,
+-- or the URL's) default flushes nothing, else as that default says (a synchronous standby is
+-- waited for too). Run once per new connection (pool.py).
+SELECT set_config('synchronous_commit', 'local', false)
+WHERE current_setting('synchronous_commit') = 'off';
+
 -- name: settle_without_flush
 -- Deferred settles of delivered rows commit without waiting for their WAL flush: one lost in
 -- a Postgres crash leaves its rows started, and they run again after their lease with

@@ -16,8 +16,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from outbox_dispatch import Context, Dispatcher, Outcome
+from outbox_dispatch.store import Store
 
 
 def _enqueue(dispatcher: Dispatcher, database_url: str, cmd: str) -> int:
@@ -195,3 +197,29 @@ def test_either_the_claim_or_the_start_waits_for_the_flush(
         conn.rollback()
     assert claim is not None and start is not None
     assert (claim[0], start[0]) == (("off", default) if flushed else (default, "off"))
+
+
+@pytest.mark.parametrize("server", ["on", "remote_apply", "off"])
+def test_settles_wait_for_the_disk_even_where_the_servers_default_flushes_nothing(
+    server: str, dispatcher: Dispatcher, database_url: str
+) -> None:
+    """Retry, park, cancel and ordered settles commit on the main pool, whose sessions wait
+    for the disk as the server's default says, or locally where it says ``off`` (a settle
+    lost in a crash would run its row again). The deferred settles of delivered rows still
+    opt out for their own transaction; the handlers' pool keeps the user's setting (a
+    transactional handler's effects and its settle are lost together or not at all)."""
+    url = make_conninfo(database_url, options=f"-c synchronous_commit={server}")
+    store = Store(url, dispatcher.schema)
+    try:
+        with store.connection() as conn:
+            session = conn.execute("SHOW synchronous_commit").fetchone()
+            with conn.transaction():
+                conn.execute(store.q["settle_without_flush"])
+                deferred = conn.execute("SHOW synchronous_commit").fetchone()
+            after = conn.execute("SHOW synchronous_commit").fetchone()
+        with store.pools.handlers().connection() as conn:
+            handlers = conn.execute("SHOW synchronous_commit").fetchone()
+    finally:
+        store.close()
+    flushed = "local" if server == "off" else server
+    assert (session, deferred, after, handlers) == ((flushed,), ("off",), (flushed,), (server,))
