@@ -39,8 +39,9 @@ def _main_session(conn: Conn) -> None:
       a retry, park, cancel or ordered settle lost in a crash of Postgres would run its row
       again. The writes that need not wait say so per transaction (settle_without_flush, and
       the claim or the start, whichever does not flush: guarantees.md)."""
+    q = raw_queries()
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-    conn.execute(raw_queries()["session_commits_flush"])
+    conn.execute(q["session_commits_flush"])
 
 
 class Pools:
