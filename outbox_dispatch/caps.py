@@ -31,6 +31,7 @@ SCRIPTS = {  # lua/: one script per step a slot goes through
     "acquire": "caps_acquire.lua",
     "renew": "caps_renew.lua",
     "release": "caps_release.lua",
+    "release_unrenewed": "caps_release_unrenewed.lua",
     "restore": "caps_restore.lua",
     "take_freed": "caps_take_freed.lua",
 }
@@ -173,11 +174,6 @@ class Caps:
             self.renew_client if heartbeat else None,
         )
 
-    def renew_started(self, slot: Slot, lease: float) -> set[str]:
-        """A starting row's renewal, sent without waiting (caps_pipelined.py): only for a slot
-        surely still held. Returns the families to wake, from earlier releases' answers."""
-        return self._writes.renew(slot, lease)
-
     def freed_key(self, family: str, database: str | None = None) -> str:
         """Freed slots for one database's claimer of the family (None: the first database)."""
         if database is None:
@@ -236,13 +232,33 @@ class Caps:
 
     def hold_releases(self, slots: Sequence[Slot], database: str | None = None) -> None:
         """``release_settled`` for rows whose handlers returned, kept unsent until the next
-        write carries them (the next start's renewal, ``send_held_releases``, or a
-        ``release_settled`` at the message's end): one write for both (caps_pipelined.py)."""
+        write carries them (the next start's ``send_held_releases``, or a ``release_settled``
+        at the message's end): no write of their own (caps_pipelined.py)."""
         self._writes.hold(slots, database)
 
     def send_held_releases(self) -> set[str]:
-        """Write the held releases now (a start that renews nothing); the families to wake."""
+        """Write the held releases now (the next row starts); the families to wake."""
         return self._writes.send_held()
+
+    def release_lapsed(self, slots: Sequence[Slot], database: str | None = None) -> bool:
+        """``release`` for the slots of started attempts whose lease ran out (a claim gives
+        them back before it takes slots), those no heartbeat renewed only
+        (caps_release_unrenewed.lua), one round trip for all; True when the claimer of
+        ``database`` should be woken. Raises CapsUnavailable."""
+        calls = [
+            (
+                self.release_keys(s.family, s.actor, s.scope, database),
+                [str(s.token), s.actor, self.wake_ms],
+            )
+            for s in slots
+        ]
+        try:
+            answers = self._pipelined("release_unrenewed", calls) if calls else []
+        except redis.RedisError as exc:
+            raise CapsUnavailable(
+                f"cap release failed: Redis at {mask_dsn(self.redis_url)} answered {_why(exc)}"
+            ) from exc
+        return any(int(a) == 1 for a in answers)
 
     def release_many(self, slots: Sequence[Slot]) -> None:
         """Return slots a claim took but did not use (nothing was settled: no freed note)."""

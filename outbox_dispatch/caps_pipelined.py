@@ -1,22 +1,19 @@
-"""Cap slot writes on the delivery path, sent to Redis without waiting for the answer.
+"""Cap slot releases on the delivery path, sent to Redis without waiting for the answer.
 
-Two writes ride here, on one connection per process:
-- A delivered row's release, when its handler returned (a cap counts running handlers; its
-  settle follows, deferred). Waiting for its answer cost a capped row about 0.2 ms of its pool
-  process on two busy cores, and the answer only says whether to wake the claimer.
-- A starting row's renewal, when its claim is young enough that its slot is surely still held
-  (delivery.py): the renewal only bounds the slot to the heartbeat timeout, as the row's lease
-  now is, so that a killed worker's slot frees with its row; nothing waits on its answer.
+A delivered row's slot is released when its handler returns (a cap counts running handlers;
+its settle follows, deferred). Waiting for the answer cost a capped row about 0.2 ms of its
+pool process on two busy cores, and the answer only says whether to wake the claimer.
 
-A release is held back, unsent, until the next write carries it: the renewal of the next row's
-start (one write for both, since each write costs the pool process a system call and a
-wake-up of Redis), or the end of the message; a start that renews nothing sends it alone.
+A release is held back, unsent, until the next row's start (before its handler runs) or the
+end of the message writes it, with any others held: each write costs the pool process a
+system call and a wake-up of Redis. (A start used to renew its row's slot here too, to bound
+it to the heartbeat timeout; the claim that finds the row's lease run out gives the slot back
+instead, claim_lapsed_holders.)
 
 Answers are read later: with the next write (what has arrived), or at the end of the message
 and by the settles' thread (everything). Redis runs commands in the order they arrive, so a
 write takes effect once Redis has read it, whoever reads the answer. An answer lost with the
-connection loses nothing: a slot not released expires with its lease, and one not renewed
-keeps its claim's lease until the row's heartbeat renews it.
+connection loses nothing: a slot not released expires with its lease.
 """
 
 from __future__ import annotations
@@ -41,16 +38,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Sent:
-    """A write whose answer is not read yet."""
+    """A release whose answer is not read yet."""
 
     slot: Slot
-    database: str | None = None  # a release's: whose claimer to wake
-    renew_ms: int = 0  # a renewal's lease; 0 for a release
+    database: str | None = None  # whose claimer to wake
 
 
 class PipelinedSlotWrites:
-    """One process's unwaited slot writes on one connection; thread-safe (the settles' thread
-    and the delivery path both write)."""
+    """One process's unwaited slot releases on one connection; thread-safe (the settles'
+    thread, the delivery path and the claimer all write)."""
 
     def __init__(self, caps: Caps) -> None:
         self.caps = caps
@@ -81,11 +77,6 @@ class PipelinedSlotWrites:
         from the answers read now: all of them with ``wait``, else those already here."""
         return self._write([Sent(s, database) for s in slots], wait)
 
-    def renew(self, slot: Slot, lease: float) -> set[str]:
-        """Send a renewal of ``slot`` for ``lease`` seconds; return the families to wake, from
-        the answers of earlier releases already here."""
-        return self._write([Sent(slot, renew_ms=max(1, int(lease * 1000)))], False)
-
     def _write(self, writes: list[Sent], wait: bool) -> set[str]:
         with self._lock:
             if self._held and self._held_pid == os.getpid():
@@ -108,16 +99,12 @@ class PipelinedSlotWrites:
                     logging.WARNING,
                     "cap_write_failed",
                     f"{type(exc).__name__}: {mask_dsn(str(exc))}; up to {lost} slot releases "
-                    "or renewals lost: those slots free when their leases end",
+                    "lost: those slots free when their leases end",
                 )
                 return set()
 
     def _command(self, w: Sent) -> tuple[Any, ...]:
         s = w.slot
-        if w.renew_ms:
-            keys = self.caps.renew_keys(s.family, s.actor, s.scope)
-            args: list[Any] = [str(s.token), w.renew_ms]
-            return ("EVALSHA", self.caps.script_sha("renew"), len(keys), *keys, *args)
         keys = self.caps.release_keys(s.family, s.actor, s.scope, w.database)
         args = [str(s.token), s.actor, self.caps.wake_ms]
         return ("EVALSHA", self.caps.script_sha("release"), len(keys), *keys, *args)
@@ -134,29 +121,12 @@ class PipelinedSlotWrites:
             except redis.exceptions.NoScriptError:
                 # Redis lost its scripts (SCRIPT FLUSH, a failover): this one runs again the
                 # waited way, which loads the script; those sent after it answer the same
-                answer = (
-                    self.caps.renew(s.family, s.actor, s.token, w.renew_ms / 1000, s.scope)
-                    if w.renew_ms
-                    else int(self.caps.release(s.family, s.actor, s.token, s.scope, w.database))
-                )
+                answer = int(self.caps.release(s.family, s.actor, s.token, s.scope, w.database))
             except redis.exceptions.ResponseError as exc:
                 event(log, logging.WARNING, "cap_write_failed", str(exc), family=s.family)
                 continue
-            if not w.renew_ms:
-                if answer == 1:
-                    woken.add(s.family)
-            elif answer == 0:
-                # its claim was young, so the slot should have been held: Redis lost it without
-                # losing the sentinel. The row's heartbeat finds it lapsed and stops the handler.
-                event(
-                    log,
-                    logging.WARNING,
-                    "cap_slot_lapsed",
-                    "the row's cap slot was gone when its handler started; its heartbeat "
-                    "tells the handler to stop",
-                    family=s.family,
-                    actor=s.actor,
-                )
+            if answer == 1:
+                woken.add(s.family)
         return woken
 
     def _connection(self) -> Any:
@@ -166,9 +136,8 @@ class PipelinedSlotWrites:
             client = self.caps.client  # registers the scripts
             conn: Any = client.connection_pool.make_connection()
             conn.connect()
-            for name in ("release", "renew"):
-                conn.send_command("SCRIPT", "LOAD", self.caps.script_text(name))
-                conn.read_response()
+            conn.send_command("SCRIPT", "LOAD", self.caps.script_text("release"))
+            conn.read_response()
             self._conn, self._pid = conn, os.getpid()
         return self._conn
 

@@ -34,7 +34,7 @@ from .policy import (
     plan_capped_claim,
     rows_per_message,
 )
-from .rows import CappedDecision, Claimed, ClaimResult, Holder
+from .rows import CappedDecision, Claimed, ClaimResult, Holder, LapsedHolder
 from .runstats import RunStats
 from .store import Store
 
@@ -71,6 +71,11 @@ class ClaimReport:
         self.saturated |= other.saturated
 
 
+# Tokens of lapsed holders a claimer remembers per family as given back (claim_lapsed_holders
+# reads the latest 100 of them at each claim).
+LAPSED_KEPT = 1000
+
+
 class Claimer:
     def __init__(
         self,
@@ -104,6 +109,10 @@ class Claimer:
         self.run_stats = run_stats
         self._passes = 0
         self._sizes: dict[str, int] = {}  # family -> rows per message of its last claim
+        # family -> tokens of lapsed holders whose slots this claimer gave back (the latest
+        # LAPSED_KEPT): a lapsed row stays so until it is claimed again, and each claim of its
+        # family reads it again; its slot goes back once
+        self._lapsed_released: dict[str, dict[uuid.UUID, None]] = {}
 
     def message_size(self, family: Family, rows: int, queued: int | None = None) -> int:
         """Rows per delivery message for a claim of ``rows`` (see policy.rows_per_message);
@@ -187,11 +196,16 @@ class Claimer:
 
     def _claim_capped_once(self, family: Family, batch: int, caps: Caps) -> ClaimResult:
         taken: dict[int, Slot] = {}  # row id -> the slot granted for it
+        wake: list[str] = []  # lapsed holders' slots freed: their actors' waiting rows are due
 
         def rule(c: Candidate) -> CapRule | None:
             return self.cap_rule(family, c.command, c.actor)
 
-        def decide(candidates: list[Candidate], limit: int) -> CappedDecision:
+        def decide(
+            candidates: list[Candidate], limit: int, lapsed: list[LapsedHolder]
+        ) -> CappedDecision:
+            if self._release_lapsed(family, lapsed, caps):
+                wake.append(family.name)
             plan = plan_capped_claim(candidates, rule, limit)
             tokens = {c.id: uuid.uuid4() for c in plan.take}
             capped = [(c, r) for c in plan.take if (r := rule(c)) is not None]
@@ -230,7 +244,46 @@ class Claimer:
             raise
         # rows parked at claim (their last attempt was lost) do not keep the slot they took
         caps.release_many([taken[i] for i in result.parked if i in taken])
+        if wake:
+            with contextlib.suppress(DatabaseError):  # else beat's next pass claims them
+                self.store.request_claim(family.name)
         return result
+
+    def _release_lapsed(self, family: Family, lapsed: list[LapsedHolder], caps: Caps) -> bool:
+        """Give back the slots of started attempts whose lease ran out, before this claim takes
+        slots: a start leaves a young claim's slot to run to the claim's lease (delivery.py),
+        so a killed worker's slots end here, with their rows' leases, not a lease later. The
+        release notes each freed slot, as a settle's does, so the actor's waiting rows come
+        in with the next claim (True: the caller asks for it, once this one committed)."""
+        seen = self._lapsed_released.setdefault(family.name, {})
+        slots = []
+        for h in lapsed:
+            if h.token in seen:
+                continue
+            r = self.cap_rule(family, h.command, h.actor)
+            if r is not None:
+                slots.append(Slot(family.name, h.actor, h.token, r.limit, r.scope))
+        if not slots:
+            return False
+        try:
+            woken = caps.release_lapsed(slots, self.caps_database)
+        except CapsUnavailable as exc:  # tried again by the next claim
+            event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
+            return False
+        for s in slots:
+            seen[s.token] = None
+        for token in list(seen)[: max(0, len(seen) - LAPSED_KEPT)]:
+            del seen[token]
+        event(
+            log,
+            logging.WARNING,
+            "cap_slots_reclaimed",
+            f"{len(slots)} cap slots of started attempts whose lease ran out (worker died or "
+            "stalled) given back",
+            family=family.name,
+            actors=sorted({s.actor for s in slots}),
+        )
+        return woken
 
     def rebuild_caps(self) -> int:
         """Restore every live lease's slot, from every database (caps are global), each for

@@ -274,7 +274,7 @@ class Delivery:
         started = self._start(row_id, token, family_hint)
         family = None if started is None else self.families.get(started.family)
         held = None if started is None or family is None else self._check_slot(started, family)
-        if self.caps is not None:  # returned handlers' releases, unless the renewal took them
+        if self.caps is not None:  # returned handlers' releases, before this one's handler runs
             self._woken(self.caps.send_held_releases())
         if started is None:
             why = self.store.why_stale(row_id, token)
@@ -346,7 +346,7 @@ class Delivery:
             self.deferred.add(settle.kind, started)
             if self.caps is not None and (slot := self._slot_of(started)) is not None:
                 # a cap counts running handlers: this one returned, so its slot goes back now,
-                # written with the next row's renewal or at the message's end (no round trip)
+                # written at the next row's start or the message's end (no round trip)
                 self.caps.hold_releases([slot], self.caps_database)
             if log.isEnabledFor(logging.INFO):
                 event(
@@ -493,10 +493,14 @@ class Delivery:
     def _check_slot(self, started: Started, family: Family) -> float | None:
         """A capped row may only start while its slot is live: if the slot lapsed, another row
         of the actor may hold it now, so the row goes back, due, uncounted (returns LAPSED). A
-        young claim's slot is surely held (``slot_surely_left``): its renewal to the heartbeat
-        timeout, which a killed worker's slot must end with, is sent without waiting, and the
-        seconds it surely has are returned; an older one is renewed and waited for (None: a
-        whole heartbeat timeout). None too for a row without a cap slot."""
+        young claim's slot is surely held (``slot_surely_left``): the row starts without a
+        word to Redis. Its slot runs on to the claim's lease until the heartbeat's first
+        renewal bounds it to the heartbeat timeout; should the worker die before that, the
+        family's next claim after the row's lease gives the slot back (claim_lapsed_holders),
+        so the handler must stop by then if it cannot renew: the seconds returned are the
+        row's lease (the heartbeat timeout), or less if the claim's lease ends sooner. An
+        older claim's slot is renewed and waited for (None: a whole heartbeat timeout). None
+        too for a row without a cap slot."""
         rule = self._rule(started, family)
         if rule is None:
             return None
@@ -504,9 +508,6 @@ class Delivery:
         assert started.actor is not None
         left = slot_surely_left(started.claim_age, family)
         if left is not None:
-            slot = Slot(started.family, started.actor, started.token, rule.limit, rule.scope)
-            # written with the releases held back since the last write (one write for all)
-            self._woken(self.caps.renew_started(slot, family.heartbeat_timeout))
             return min(left, family.heartbeat_timeout)
         try:
             state = self.caps.renew(
@@ -549,8 +550,10 @@ class Delivery:
         assert caps is not None
         assert actor is not None
         timeout = family.heartbeat_timeout
-        # The slot was renewed for a whole timeout just before this runs (after the start), or
-        # is surely ``held`` that long, a third of the timeout and SLOT_MARGIN at least.
+        # The slot was renewed for a whole timeout just before this runs (an old claim's
+        # waited renewal), or is surely ``held`` that long (a young claim's, until its row's
+        # lease ends: a claim may give it back then), a third of the timeout and SLOT_MARGIN
+        # at least.
         # Renewals start every timeout/3 (give or take a tick) and give up after
         # RENEW_TIMEOUT, so a failure that leaves less than this margin is the last one before
         # the slot's end.

@@ -43,6 +43,16 @@ class Holder:
     remaining_ms: int
 
 
+@dataclass(frozen=True)
+class LapsedHolder:
+    """A started attempt whose lease ran out (its worker died or stalled): the cap slot its
+    claim took is given back by the next capped claim of its family."""
+
+    actor: str
+    command: str
+    token: UUID
+
+
 # What a capped claim's decision returns: rows to lease with their tokens, rows to set waiting.
 CappedDecision = tuple[list[tuple[int, UUID]], list[int]]
 

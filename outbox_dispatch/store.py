@@ -25,7 +25,15 @@ from .health import PROBE_CONNECT_TIMEOUT, Breaker, liveness_options
 from .logs import mask_dsn
 from .policy import Candidate, Family, LostAttempt, starts_flushed
 from .pool import Conn, Pools
-from .rows import CappedDecision, Claimed, ClaimResult, FamilyStatus, Holder, Started
+from .rows import (
+    CappedDecision,
+    Claimed,
+    ClaimResult,
+    FamilyStatus,
+    Holder,
+    LapsedHolder,
+    Started,
+)
 from .settle import BATCH_QUERY, QUERY, SettleKind, leaves_line
 from .sqlfiles import queries_for
 from .validation import PreparedRow
@@ -299,18 +307,20 @@ class Store:
         self,
         family: Family,
         batch: int,
-        decide: Callable[[list[Candidate], int], CappedDecision],
+        decide: Callable[[list[Candidate], int, list[LapsedHolder]], CappedDecision],
         freed: Mapping[str, int] | None = None,
     ) -> ClaimResult:
-        """A claim for a family with per-actor caps. ``decide`` picks rows and takes their
-        cap slots while the candidates are locked; the shared caps lock is held to commit so a
+        """A claim for a family with per-actor caps. ``decide`` gives back the slots of the
+        family's started attempts whose lease ran out, then picks rows and takes their cap
+        slots while the candidates are locked; the shared caps lock is held to commit so a
         rebuild of the semaphores sees every claim that took slots. ``freed``: that many
         waiting rows of each actor are offered first, and leased straight from waiting when
         they get a slot; those the claim has no room for come due now.
 
-        Two pipelined round trips around ``decide``: the locks, the freed rows and the
-        candidates in one; the lease, the rows set waiting or due and the commit in the other
-        (seven round trips before, each a wait for the GIL on a busy worker's listener)."""
+        Two pipelined round trips around ``decide``: the locks, the freed rows, the lapsed
+        holders and the candidates in one; the lease, the rows set waiting or due and the
+        commit in the other (seven round trips before, each a wait for the GIL on a busy
+        worker's listener)."""
         with (
             translated(f"claim of family {family.name}"),
             self._starting() as conn,
@@ -331,6 +341,7 @@ class Store:
                     else None
                 )
                 self._lock_family(conn, family)
+                lapsed = conn.execute(self.q["claim_lapsed_holders"], {"family": family.name})
                 found = conn.execute(
                     self.q["claim_capped_candidates"],
                     {"family": family.name, "batch": batch, "max_in_flight": family.max_in_flight},
@@ -344,7 +355,8 @@ class Store:
                 candidates = [
                     Candidate(int(r[1]), r[2], r[3], int(r[4])) for r in found if r[1] is not None
                 ]
-                take, wait = decide(waiting + candidates, limit) if limit else ([], [])
+                dead = [LapsedHolder(r[0], r[1], r[2]) for r in lapsed.fetchall()]
+                take, wait = decide(waiting + candidates, limit, dead)
                 ids, tokens = [i for i, _ in take], [t for _, t in take]
                 leased = self._lease(conn, family, ids, tokens) if ids else None
                 # a freed row refused a slot (another row took it) stays waiting as it is

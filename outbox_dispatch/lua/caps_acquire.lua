@@ -2,6 +2,9 @@
 -- claim a script call each). KEYS[1] the "semaphores are complete" sentinel, KEYS[2..] each
 -- slot's semaphore (a sorted set: holder token -> lease end, ms; an actor's may repeat).
 -- ARGV: lease ms, then token and cap per slot. Expired holders are dropped first.
+-- A claim's lease end is written half a millisecond late: a score ending in .5 marks a slot
+-- no heartbeat has renewed since its claim (renewals write whole ms; a rebuild writes .5 too),
+-- which is what caps_release_unrenewed.lua may give back once its row's lease ran out.
 -- Returns a list: per slot 1 granted (or renewed: the token already holds it), 0 at cap; or
 -- the one-element list {-1} when the sentinel is missing (Redis lost its data): the caller
 -- must rebuild before claiming.
@@ -11,6 +14,7 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])
+local claimed = now + lease + 0.5
 local granted = {}
 local swept = {}
 for i = 2, #KEYS do
@@ -20,10 +24,10 @@ for i = 2, #KEYS do
         swept[key] = true
     end
     if redis.call('ZSCORE', key, token) then
-        redis.call('ZADD', key, now + lease, token)
+        redis.call('ZADD', key, claimed, token)
         granted[i - 1] = 1
     elseif redis.call('ZCARD', key) < cap then
-        redis.call('ZADD', key, now + lease, token)
+        redis.call('ZADD', key, claimed, token)
         if redis.call('PTTL', key) < lease * 2 then
             redis.call('PEXPIRE', key, lease * 2)
         end

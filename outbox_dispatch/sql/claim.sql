@@ -1,6 +1,7 @@
 -- The claim, in the order it runs: lock the family, count what is in flight, pick due rows
 -- (capped families: rank candidates per actor), lease them; rows whose actor is at its cap
--- are set waiting, and waiting rows whose actor freed a slot are offered first.
+-- are set waiting, waiting rows whose actor freed a slot are offered first, and the slots of
+-- started attempts whose lease ran out are given back.
 
 -- name: claim_lock_family
 -- Serializes one family's claims so the in-flight count cannot race; released at commit.
@@ -136,6 +137,18 @@ SELECT (SELECT n FROM room) AS room, id, actor, command, rank, due_at FROM ranke
 UNION ALL
 SELECT (SELECT n FROM room), NULL::bigint, NULL::text, NULL::text, NULL::bigint, NULL
 ORDER BY rank NULLS LAST, due_at, id;
+
+-- name: claim_lapsed_holders
+-- Started attempts of the family whose lease ran out: their worker died or stalled past the
+-- heartbeat timeout. Their cap slots still run to their claims' leases (a start does not
+-- shorten a young claim's slot, delivery.py), so the claim gives them back before it takes
+-- slots. The latest 100, backwards along the outbox_claimed index; an attempt that never
+-- started needs nothing: its slot ends with its claim's lease.
+SELECT actor, command, claim_token FROM __SCHEMA__.outbox
+WHERE family = %(family)s AND claim_token IS NOT NULL AND due_at <= now()
+  AND started_at IS NOT NULL AND actor IS NOT NULL
+ORDER BY due_at DESC
+LIMIT 100;
 
 -- name: claim_mark_waiting
 -- Rows whose actor is at its cap leave the due range for one lease, or until a slot frees.

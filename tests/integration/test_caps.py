@@ -137,38 +137,38 @@ def test_a_capped_claim_never_exceeds_max_in_flight(
     assert count_rows(database_url, capped.schema, f"family = '{name}' AND waiting") == 0
 
 
-def test_a_young_claims_row_starts_without_waiting_for_redis_and_its_slot_ends_with_its_lease(
+def test_a_young_claims_row_starts_without_a_word_to_redis_and_a_dead_holders_slot_goes_back(
     capped: Dispatcher, record: Callable[..., str], database_url: str
 ) -> None:
     """A capped row whose claim is young surely holds its slot (the claim took it for the
-    family's lease moments ago): it starts without a Redis round trip of its own, and its
-    slot is renewed, unwaited, to the heartbeat timeout (the row's lease from its start), so
-    that a killed worker's slot frees with its row. A row whose claim is too old for that
-    asks Redis and waits: with its slot gone, it is handed back uncounted."""
+    family's lease moments ago): it starts without writing to or waiting for Redis, and its
+    slot runs on to the claim's lease. Should its worker die, the family's next claim after
+    the row's lease (the heartbeat timeout from its start) gives the slot back before taking
+    slots, so the row runs again then, not a lease later; a slot a heartbeat renewed stays
+    (its worker lives, cut off from Postgres only, and its handler still runs). A row whose
+    claim is too old asks Redis and waits: renewed to the heartbeat timeout, or, with its slot
+    gone, handed back uncounted."""
     assert capped.caps is not None
     caps = capped.caps
     name = f"young{uuid.uuid4().hex[:6]}"
-    capped.family(name, per_actor=2, lease=60, heartbeat_timeout=5)
+    capped.family(name, per_actor=1, lease=60, heartbeat_timeout=5)
+    fam = capped.families[name]
     left: dict[str, float] = {}
 
     def look(ctx: Context, payload: Any) -> None:
         assert ctx.actor is not None
-        caps.release_settled([], wait=True)  # this process's unwaited writes have landed
         [token] = caps.holders(name, ctx.actor)
-        left[ctx.actor] = _left_ms(caps, Slot(name, ctx.actor, uuid.UUID(token), 2))
+        left[ctx.actor] = _left_ms(caps, Slot(name, ctx.actor, uuid.UUID(token), 1))
 
     cmd = record(name, look)
-    young, old = _enqueue(
-        capped, database_url, [Message(cmd, {}, actor="Y"), Message(cmd, {}, actor="O")]
+    young, old, dead, cut = _enqueue(
+        capped,
+        database_url,
+        [Message(cmd, {}, actor=a) for a in ("Y", "O", "D", "C")],
     )
-    claimed = {c.id: c for c in capped.claimer.claim_family(capped.families[name]).claimed}
-    assert set(claimed) == {young, old}
-    with psycopg.connect(database_url, autocommit=True) as conn:  # claimed 58 s ago
-        conn.execute(
-            f"UPDATE \"{capped.schema}\".outbox SET claimed_at = claimed_at - interval '58 s' "
-            "WHERE id = %s",
-            (old,),
-        )
+    claimed = {c.id: c for c in capped.claimer.claim_family(fam).claimed}
+    assert set(claimed) == {young, old, dead, cut}
+    _age_claim(capped, database_url, old, 58)
     waited: list[str] = []
     renew = caps.renew
 
@@ -180,26 +180,48 @@ def test_a_young_claims_row_starts_without_waiting_for_redis_and_its_slot_ends_w
     try:
         first = capped.delivery.deliver(young, claimed[young].token, family_hint=name)
         assert first.outcome is Outcome.DELIVERED and waited == []
-        assert 3000 < left["Y"] <= 5000  # the heartbeat timeout's, not the claim's 60 s
+        assert left["Y"] > 55_000  # the claim's 60 s, untouched by the start
         second = capped.delivery.deliver(old, claimed[old].token, family_hint=name)
         assert second.outcome is Outcome.DELIVERED and waited == ["O"]
-        assert 3000 < left["O"] <= 5000
-        # an old claim whose slot is gone: handed back, uncounted
-        [again] = _enqueue(capped, database_url, [Message(cmd, {}, actor="O")])
-        [c] = capped.claimer.claim_family(capped.families[name]).claimed
-        with psycopg.connect(database_url, autocommit=True) as conn:
+        assert 3000 < left["O"] <= 5000  # renewed to the heartbeat timeout
+        # a worker dies in the handler of a young claim's row: started, never settled; and
+        # another's heartbeat renews its slot but cannot reach Postgres
+        for row_id in (dead, cut):
+            started = capped.store.begin(row_id, claimed[row_id].token, fam.heartbeat_timeout)
+            assert started is not None and capped.delivery._check_slot(started, fam) is not None
+        assert waited == ["O"] and caps.holders(name, "D") == [str(claimed[dead].token)]
+        assert renew(name, "C", claimed[cut].token, fam.heartbeat_timeout, heartbeat=True) == 1
+        with psycopg.connect(database_url, autocommit=True) as conn:  # their leases run out
             conn.execute(
-                f'UPDATE "{capped.schema}".outbox SET claimed_at = claimed_at - '
-                "interval '58 s' WHERE id = %s",
-                (again,),
+                f"UPDATE \"{capped.schema}\".outbox SET due_at = now() - interval '1 s' "
+                "WHERE id = ANY(%s)",
+                ([dead, cut],),
             )
+        [again] = capped.claimer.claim_family(fam).claimed  # the dead slot went back first
+        assert again.id == dead and again.token != claimed[dead].token
+        assert caps.holders(name, "D") == [str(again.token)]
+        assert caps.holders(name, "C") == [str(claimed[cut].token)]  # kept: its row waits
+        # an old claim whose slot is gone: handed back, uncounted
+        [later] = _enqueue(capped, database_url, [Message(cmd, {}, actor="O")])
+        [c] = capped.claimer.claim_family(fam).claimed
+        _age_claim(capped, database_url, later, 58)
         caps.client.zrem(caps.key(name, "O"), str(c.token))
-        third = capped.delivery.deliver(again, c.token, family_hint=name)
+        third = capped.delivery.deliver(later, c.token, family_hint=name)
         assert third.outcome is Outcome.STALE and third.detail == "cap slot lapsed"
         assert waited == ["O", "O"]
     finally:
         del caps.renew
-    assert count_rows(database_url, capped.schema, f"id = {again} AND attempts = 0") == 1
+    assert count_rows(database_url, capped.schema, f"id = {later} AND attempts = 0") == 1
+
+
+def _age_claim(capped: Dispatcher, database_url: str, row_id: int, seconds: int) -> None:
+    """The row's claim as if it were made ``seconds`` ago."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            f'UPDATE "{capped.schema}".outbox SET claimed_at = claimed_at - '
+            "make_interval(secs => %s) WHERE id = %s",
+            (seconds, row_id),
+        )
 
 
 def test_redis_data_loss_rebuilds_the_semaphores_before_claiming(
@@ -461,29 +483,31 @@ def test_a_pass_claims_an_idle_capped_family_only_when_a_slot_of_it_freed(
 def test_pipelined_scripts_work_as_a_fresh_process_s_first_call_and_after_a_script_flush(
     caps_url: str, run_id: str
 ) -> None:
-    """A claim's acquire, a starting row's renewal and a release are pipelined EVALSHAs (no
-    SCRIPT EXISTS round trip): they work as the first call of a fresh process, which has not
+    """A claim's acquire and a delivered row's release are pipelined EVALSHAs (no SCRIPT
+    EXISTS round trip): they work as the first call of a fresh process, which has not
     registered its scripts yet (a pool process's first capped batch failed so), and when
     Redis lost its scripts (restarted, flushed), which loads them and runs the calls again,
     each once."""
     prefix = f"t{run_id}fresh"
     owner = Caps(caps_url, prefix)
     owner.restore([])  # the semaphores are complete (nothing held)
-    token = uuid.uuid4()
-    slot = Slot("f", "a", token, 1)
+    a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
     fresh = Caps(caps_url, prefix)  # a new process's: nothing registered, nothing connected
-    assert fresh.acquire_many([slot], lease=30) == [True]
-    fresh.renew_started(slot, lease=5)
-    assert fresh.release_settled([], wait=True) == set()  # every answer read
-    assert 4000 <= _left_ms(fresh, slot) <= 5000  # renewed to the 5 s given
+    assert fresh.acquire_many([a, b], lease=30) == [True, True]
+    fresh.hold_releases([a])
+    woken = fresh.send_held_releases()
+    woken |= fresh.release_settled([], wait=True)  # every answer read
+    assert woken == {"f"} and fresh.holders("f", "a") == []
     redis.Redis.from_url(caps_url).script_flush()
-    fresh.renew_started(slot, lease=20)
-    assert fresh.release_settled([], wait=True) == set()
-    assert 19000 <= _left_ms(fresh, slot) <= 20000  # ran again after NOSCRIPT
+    fresh.hold_releases([b])
+    fresh.send_held_releases()
+    fresh.release_settled([], wait=True)
+    assert fresh.holders("f", "b") == []  # ran again after NOSCRIPT
     redis.Redis.from_url(caps_url).script_flush()
-    assert fresh.acquire_many([Slot("f", "b", uuid.uuid4(), 1)], lease=30) == [True]
-    assert fresh.release_settled([slot]) == {"f"}
-    assert fresh.holders("f", "a") == []
+    c = Slot("f", "c", uuid.uuid4(), 1)
+    assert fresh.acquire_many([c], lease=30) == [True]
+    fresh.release_settled([c])
+    assert fresh.holders("f", "c") == []
     fresh.close()
     owner.close()
 
@@ -517,24 +541,26 @@ def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
     caps.close()
 
 
-def test_held_releases_go_out_with_the_next_renewal_or_alone(caps_url: str, run_id: str) -> None:
+def test_held_releases_go_out_with_the_next_start_or_at_the_messages_end(
+    caps_url: str, run_id: str
+) -> None:
     """The releases of rows whose handlers returned are held (no write) until the next
-    start's renewal carries them, one write for both; a start that renews nothing, or the
-    end of the message, sends them alone. Either way the wake they ask for is not lost."""
+    row's start writes them, with any others held, or the end of the message does. Either
+    way the wake they ask for is not lost."""
     caps = Caps(caps_url, f"t{run_id}held")
     caps.restore([])
-    a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
-    assert caps.acquire_many([a, b], lease=30) == [True, True]
+    a, b, c = (Slot("f", x, uuid.uuid4(), 1) for x in "abc")
+    assert caps.acquire_many([a, b, c], lease=30) == [True, True, True]
     caps.hold_releases([a])
+    caps.hold_releases([b])
     assert caps.holders("f", "a") == [str(a.token)]  # nothing written yet
-    woken = caps.renew_started(b, lease=5)
+    woken = caps.send_held_releases()  # the next start: both in one write
     woken |= caps.release_settled([], wait=True)
     assert woken == {"f"}
-    assert caps.holders("f", "a") == [] and 4000 <= _left_ms(caps, b) <= 5000
-    caps.hold_releases([b])
-    woken = caps.send_held_releases()
-    woken |= caps.release_settled([], wait=True)
-    assert caps.holders("f", "b") == []
+    assert caps.holders("f", "a") == [] and caps.holders("f", "b") == []
+    caps.hold_releases([c])
+    caps.release_settled([], wait=True)  # the message's end
+    assert caps.holders("f", "c") == []
     assert caps.send_held_releases() == set()  # nothing held: no write
     caps.close()
 

@@ -31,6 +31,7 @@ from outbox_dispatch import (
 )
 from outbox_dispatch.caps import Slot
 from outbox_dispatch.rows import Claimed
+from outbox_dispatch.settle import StopReason
 from tests.conftest import count_rows
 
 Row = dict[str, Any]
@@ -228,10 +229,11 @@ def test_a_handler_whose_cap_slot_lapsed_is_told_to_stop_and_retried(
 def test_a_young_claims_slot_lost_before_its_start_is_noticed_and_its_handler_stopped(
     d: Dispatcher, database_url: str, schema: str, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A young claim's row starts without waiting for Redis (its slot is surely held, unless
+    """A young claim's row starts without asking Redis (its slot is surely held, unless
     Redis lost it without losing the sentinel: a failover to a replica that missed the
-    acquire). Its renewal's answer says so in the log, and the heartbeat's first renewal
-    tells the handler to stop, as for any slot that lapses while a handler runs."""
+    acquire). The heartbeat's first renewal, a third of the heartbeat timeout later, finds
+    the slot gone and tells the handler to stop, as for any slot that lapses while a handler
+    runs, and says so in the log."""
     fam = _name("lost")
     d.family(fam, per_actor=1, lease=10, heartbeat_timeout=1.5)
     cmd = _handler(d, fam, _until_cancelled(10))
@@ -246,7 +248,8 @@ def test_a_young_claims_slot_lost_before_its_start_is_noticed_and_its_handler_st
     assert time.monotonic() - t0 < 5  # stopped by the heartbeat, not the handler's 10 s
     row = _row(database_url, schema, row_id)
     assert row is not None and "cap slot lapsed" in row["last_error"] and row["maybe_applied"]
-    assert [r for r in caplog.records if r.__dict__.get("action") == "cap_slot_lapsed"]
+    stopped = [r for r in caplog.records if r.__dict__.get("action") == "handler_stopped"]
+    assert stopped and StopReason.SLOT_LAPSED.value in stopped[0].getMessage()
 
 
 def test_a_cancel_seen_by_a_handler_that_returns_settles_as_cancelled(

@@ -288,7 +288,10 @@ def check_row_states(snap: Snapshot) -> None:
 
 def check_caps(snap: Snapshot) -> None:
     """No actor has more live holders than its cap, in Postgres or in Redis, and every live
-    slot belongs to a row that holds a live lease under that token."""
+    slot belongs to a row that holds a live lease under that token, or that started under it
+    and whose lease ran out since (its worker died or stalled: a start leaves a young claim's
+    slot to run to the claim's lease, and the family's next claim gives it back, which
+    ``_claim`` checks)."""
     assert not snap.odd_keys, f"cap keys the families do not explain: {snap.odd_keys}"
     for name, fam in FAMILIES.items():
         if fam.per_actor is None:
@@ -317,7 +320,7 @@ def check_caps(snap: Snapshot) -> None:
             assert r is not None and r.family == family and r.actor == actor, (
                 f"Redis: live slot {t} of {family}/{actor} belongs to no row holding it"
             )
-            assert r.left is not None and r.left > 0, (
+            assert r.left is not None and (r.left > 0 or r.started), (
                 f"Redis: live slot {t} of {family}/{actor}, but row {r.id}'s lease ran out"
             )
 
@@ -847,6 +850,21 @@ class ModelMachine(RuleBasedStateMachine):
             msgs.append(Msg(c.id, c.token, family, c.actor))
         for rid in result.parked:
             assert after.rows[rid].parked, f"row {rid} reported parked, is {after.rows[rid]}"
+        if fam.per_actor is not None and after.sentinel:
+            # the slots of started attempts whose lease ran out went back before slots were taken
+            dead = {
+                str(r.token)
+                for r in before.rows.values()
+                if r.family == family and r.started and r.left is not None and r.left <= 0
+            }
+            still = [
+                t
+                for (f, _), members in after.slots.items()
+                if f == family
+                for t, t_left in members.items()
+                if t in dead and t_left > TOL
+            ]
+            assert not still, f"claim of {family} kept the slots of lapsed holders {still}"
         # liveness: a due row is taken by the next claim
         due = [
             r
@@ -1228,7 +1246,8 @@ class ModelMachine(RuleBasedStateMachine):
     def postgres_loses_a_start(self, i: int) -> None:
         """A crash of Postgres loses a stalled attempt's start, which did not wait for the disk
         (its family's starts do not flush), while the claim before it, which did, survives:
-        the row is left claimed before the server's start and not started. The attempt may
+        the row is left claimed before the server's start and not started, its lease the
+        claim's (which the start had shortened to the heartbeat timeout). The attempt may
         have run, so no message may start the row again (the duplicate and late messages of
         ``work``), and its next attempt must see maybe_applied. What the crash leaves is
         written to the row; the shared server is not restarted."""
@@ -1241,9 +1260,10 @@ class ModelMachine(RuleBasedStateMachine):
             return
         self.env.read.execute(
             f'UPDATE "{self.env.schema}".outbox SET started_at = NULL, '
+            "due_at = claimed_at + make_interval(secs => %s), "
             "claimed_at = pg_postmaster_start_time() - interval '1 second' "
             "WHERE id = %s AND claim_token = %s",
-            (msg.id, msg.token),
+            (FAMILIES[msg.family].lease, msg.id, msg.token),
         )
         after = self.snap()
         a = after.rows[msg.id]
