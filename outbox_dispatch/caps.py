@@ -180,46 +180,44 @@ class Caps:
             return f"{self.prefix}:caps:freed:{family}"
         return f"{self.prefix}:caps:freed:{database}:{family}"
 
-    def release(
-        self,
-        family: str,
-        actor: str,
-        token: uuid.UUID,
-        scope: str = "",
-        database: str | None = None,
-    ) -> bool:
-        """Free the slot and note it for every database's claimer, which lets the actor's next
-        waiting row in. Returns True when the caller should wake the claimer of ``database``,
-        where the row settled (once per wake window); the others find the note at their next
-        pass."""
+    def release(self, slots: Sequence[Slot], database: str | None = None) -> bool:
+        """Free the slots (of one family) and note them for every database's claimer, which
+        lets each actor's next waiting row in. Returns True when the caller should wake the
+        claimer of ``database``, where the rows settled (once per wake window); the others
+        find the note at their next pass."""
+        if not slots:
+            return False
         try:
-            return (
-                self._run(
-                    "release",
-                    self.release_keys(family, actor, scope, database),
-                    [str(token), actor, self.wake_ms],
-                )
-                == 1
-            )
+            return self._run("release", *self.release_call(slots, database)) == 1
         except CapsUnavailable as exc:
-            # The slot expires with its lease anyway; the cap stays safe, only slower.
+            # The slots expire with their leases anyway; the cap stays safe, only slower.
             event(
                 log,
                 logging.WARNING,
                 "cap_release_failed",
-                f"{exc}; the slot frees when its lease ends",
-                family=family,
-                actor=actor,
+                f"{exc}; the slots free when their leases end",
+                family=slots[0].family,
+                actors=sorted({s.actor for s in slots}),
             )
             return False
 
     def renew_keys(self, family: str, actor: str, scope: str) -> list[str]:
         return [self.key(family, actor, scope), self.sentinel]
 
-    def release_keys(self, family: str, actor: str, scope: str, database: str | None) -> list[str]:
+    def release_call(
+        self, slots: Sequence[Slot], database: str | None
+    ) -> tuple[list[str], list[Any]]:
+        """Keys and arguments of caps_release.lua (or caps_release_unrenewed.lua) for
+        ``slots``, all of one family; ``database``: whose claimer the wake key is for."""
+        family = slots[0].family
+        assert all(s.family == family for s in slots), "one family per release run"
         wake = f"{self.prefix}:wake:" + (family if database is None else f"{database}:{family}")
         freed = [self.freed_key(family, d) for d in self.databases]
-        return [self.key(family, actor, scope), wake, *freed]
+        keys = [wake, *freed, *(self.key(s.family, s.actor, s.scope) for s in slots)]
+        args: list[Any] = [self.wake_ms, len(freed)]
+        for s in slots:
+            args += [str(s.token), s.actor]
+        return keys, args
 
     def release_settled(
         self, slots: Sequence[Slot], database: str | None = None, *, wait: bool = True
@@ -231,34 +229,24 @@ class Caps:
         return self._writes.release(slots, database, wait=wait)
 
     def hold_releases(self, slots: Sequence[Slot], database: str | None = None) -> None:
-        """``release_settled`` for rows whose handlers returned, kept unsent until the next
-        write carries them (the next start's ``send_held_releases``, or a ``release_settled``
-        at the message's end): no write of their own (caps_pipelined.py)."""
+        """``release_settled`` for rows whose handlers returned, kept unsent until a later
+        write carries them (``send_held_releases``, or a ``release_settled`` at the message's
+        end): no write of their own (caps_pipelined.py)."""
         self._writes.hold(slots, database)
 
-    def send_held_releases(self) -> set[str]:
-        """Write the held releases now (the next row starts); the families to wake."""
-        return self._writes.send_held()
+    def send_held_releases(self, older_than: float = 0.0) -> set[str]:
+        """Write the held releases now, if the oldest was held ``older_than`` seconds ago
+        (a start, the heartbeat's tick); the families to wake."""
+        return self._writes.send_held(older_than)
 
     def release_lapsed(self, slots: Sequence[Slot], database: str | None = None) -> bool:
-        """``release`` for the slots of started attempts whose lease ran out (a claim gives
-        them back before it takes slots), those no heartbeat renewed only
-        (caps_release_unrenewed.lua), one round trip for all; True when the claimer of
-        ``database`` should be woken. Raises CapsUnavailable."""
-        calls = [
-            (
-                self.release_keys(s.family, s.actor, s.scope, database),
-                [str(s.token), s.actor, self.wake_ms],
-            )
-            for s in slots
-        ]
-        try:
-            answers = self._pipelined("release_unrenewed", calls) if calls else []
-        except redis.RedisError as exc:
-            raise CapsUnavailable(
-                f"cap release failed: Redis at {mask_dsn(self.redis_url)} answered {_why(exc)}"
-            ) from exc
-        return any(int(a) == 1 for a in answers)
+        """``release`` for the slots (of one family) of started attempts whose lease ran out
+        (a claim gives them back before it takes slots), those no heartbeat renewed only
+        (caps_release_unrenewed.lua); True when the claimer of ``database`` should be woken.
+        Raises CapsUnavailable."""
+        return (
+            bool(slots) and self._run("release_unrenewed", *self.release_call(slots, database)) == 1
+        )
 
     def release_many(self, slots: Sequence[Slot]) -> None:
         """Return slots a claim took but did not use (nothing was settled: no freed note)."""

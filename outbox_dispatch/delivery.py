@@ -14,6 +14,7 @@ from uuid import UUID
 
 from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
+from .caps_pipelined import HOLD_FOR
 from .deferred_settles import DeferredSettles, carried
 from .errors import DatabaseUnavailable, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
@@ -142,7 +143,7 @@ class Delivery:
         self.on_slot_freed = on_slot_freed
         self.rand = rand
         self.run_times = run_times
-        self.heartbeats = Heartbeats(store)
+        self.heartbeats = Heartbeats(store, on_tick=self._send_held_releases)
         self.deferred = DeferredSettles(store, self._settle_refused)
 
     def deliver_message(
@@ -274,8 +275,8 @@ class Delivery:
         started = self._start(row_id, token, family_hint)
         family = None if started is None else self.families.get(started.family)
         held = None if started is None or family is None else self._check_slot(started, family)
-        if self.caps is not None:  # returned handlers' releases, before this one's handler runs
-            self._woken(self.caps.send_held_releases())
+        # returned handlers' releases, unless they were held for less than HOLD_FOR
+        self._send_held_releases()
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
@@ -346,7 +347,7 @@ class Delivery:
             self.deferred.add(settle.kind, started)
             if self.caps is not None and (slot := self._slot_of(started)) is not None:
                 # a cap counts running handlers: this one returned, so its slot goes back now,
-                # written at the next row's start or the message's end (no round trip)
+                # written with others within HOLD_FOR, or at the message's end (caps_pipelined)
                 self.caps.hold_releases([slot], self.caps_database)
             if log.isEnabledFor(logging.INFO):
                 event(
@@ -365,6 +366,12 @@ class Delivery:
         process's next message (a no-op when nothing is held or unread)."""
         if self.caps is not None:
             self._woken(self.caps.release_settled([], self.caps_database, wait=True))
+
+    def _send_held_releases(self) -> None:
+        """Write the slot releases held for HOLD_FOR or longer (a start, or the heartbeat's
+        tick while a long handler runs)."""
+        if self.caps is not None:
+            self._woken(self.caps.send_held_releases(HOLD_FOR))
 
     def _woken(self, families: set[str]) -> None:
         """Release answers said these families' claimers should let a waiting row in."""
@@ -633,9 +640,7 @@ class Delivery:
         )
         if slot is not None:
             assert self.caps is not None
-            if self.caps.release(
-                slot.family, slot.actor, slot.token, slot.scope, self.caps_database
-            ):
+            if self.caps.release([slot], self.caps_database):
                 self.on_slot_freed(slot.family)  # a claim lets a waiting row in
 
 

@@ -68,8 +68,9 @@ class Running:
 
 
 class Heartbeats:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, on_tick: Callable[[], None] = lambda: None) -> None:
         self.store = store
+        self.on_tick = on_tick  # the process's other periodic work (held slot releases)
         self._running: dict[Key, Running] = {}
         self._lock = ForkSafeLock()
         self._thread: threading.Thread | None = None
@@ -107,6 +108,10 @@ class Heartbeats:
     def _loop(self) -> None:
         while True:
             time.sleep(TICK)
+            try:
+                self.on_tick()
+            except Exception as exc:  # never let the thread die: the leases need it
+                event(log, logging.ERROR, "heartbeat_tick_failed", repr(exc))
             now = time.monotonic()
             with self._lock:
                 due = [e for e in self._running.values() if e.next_at <= now or _overdue(e, now)]

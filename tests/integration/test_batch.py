@@ -240,10 +240,9 @@ def test_a_redelivered_batch_does_not_extend_the_slot_of_a_row_whose_worker_died
     with contextlib.suppress(_WorkerDied):
         dispatcher.delivery.deliver_batch(pairs, family_hint="cappedbatch", defer=True)
     dispatcher.delivery.deferred.take()  # the process died with what it had not settled
-    caps.release_settled([], wait=True)  # its start's renewal, sent unwaited, has landed
     key, dead = caps.key("cappedbatch", actor), str(pairs[0][1])
     before = caps.client.zscore(key, dead)
-    assert before is not None  # its start renewed it for the heartbeat timeout
+    assert before is not None  # the claim's slot: its young start wrote nothing to Redis
     time.sleep(0.3)
     results = dispatcher.delivery.deliver_batch(pairs, family_hint="cappedbatch", defer=True)
     assert results[0].outcome is Outcome.STALE  # started before: its lease decides
@@ -251,18 +250,22 @@ def test_a_redelivered_batch_does_not_extend_the_slot_of_a_row_whose_worker_died
     assert caps.client.zscore(key, dead) == before  # not extended by the redelivery
 
 
-def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
+@pytest.mark.parametrize("hold_for", [0.0, 60.0], ids=["written-at-each-start", "held-to-the-end"])
+def test_a_capped_batch_gives_each_slot_back_when_its_handler_returns(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
     database_url: str,
     schema: str,
     monkeypatch: pytest.MonkeyPatch,
+    hold_for: float,
 ) -> None:
     """In a batched message of capped rows, each row's cap slot goes back when its handler
-    returns (a cap counts running handlers), written with the next row's renewal before that
-    row's handler runs, and its settle is carried by that row's start: an actor's next row
-    never waits on a finished one. The last row is settled at the message's end, and its slot
-    written then; the freed slots let an actor's waiting row in."""
+    returns (a cap counts running handlers), and its settle is carried by the next row's
+    start. The releases are held until the oldest is HOLD_FOR old, then written by the next
+    start, before its handler runs (HOLD_FOR 0: every start writes the one before), or at the
+    message's end (a HOLD_FOR longer than the message: all of them in one write). The last row
+    is settled at the message's end; the freed slots let an actor's waiting row in."""
+    monkeypatch.setattr("outbox_dispatch.delivery.HOLD_FOR", hold_for)
     caps = dispatcher.caps
     assert caps is not None
     actors = [f"r{time.monotonic_ns()}", f"s{time.monotonic_ns()}"]
@@ -297,8 +300,7 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
         return real(slots, database, wait=wait)
 
     def hold_releases(slots: Any, database: Any = None) -> None:
-        """A returned handler's release: written with the next write (the next row's
-        renewal, or the message's end)."""
+        """A returned handler's release: written by a later start, or at the message's end."""
         if n := sum(s.token in ours for s in slots):
             calls.append(n)
         hold(slots, database)
@@ -320,7 +322,10 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
     finally:
         del caps.release_settled, caps.hold_releases, dispatcher.store.settle_many
     assert [r.outcome for r in results] == [Outcome.DELIVERED] * 4
-    assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]  # freed and settled before the next start
+    if hold_for:  # settled before the next start, the slots held to the message's end
+        assert seen == [(4, 4), (3, 4), (2, 4), (1, 4)]
+    else:  # freed and settled before the next start
+        assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]
     assert statements == [1]  # the last row, at the message's end
     assert calls == [1, 1, 1, 1]
     assert held() == 0
@@ -330,3 +335,42 @@ def test_a_capped_batch_frees_each_slot_before_its_next_row_starts(
         assert time.monotonic() < deadline, "the waiting row never got a freed slot"
         dispatcher.claimer.claim_family(family)
         time.sleep(0.05)
+
+
+def test_a_held_release_goes_out_while_the_next_handler_runs_long(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A release held at a start (younger than HOLD_FOR) does not wait for a long handler
+    after it to return: the heartbeat thread's next tick writes it."""
+    monkeypatch.setattr("outbox_dispatch.delivery.HOLD_FOR", 0.5)
+    caps = dispatcher.caps
+    assert caps is not None
+    first, second = f"q{time.monotonic_ns()}", f"l{time.monotonic_ns()}"
+    seen: dict[str, Any] = {}
+
+    def look(ctx: Context, payload: Any) -> None:
+        if ctx.actor != second:
+            return
+        seen["at_start"] = len(caps.holders("cappedbatch", first))
+        t0 = time.monotonic()
+        while caps.holders("cappedbatch", first) and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        seen["freed_after"] = time.monotonic() - t0
+        seen["still_held"] = len(caps.holders("cappedbatch", first))
+
+    cmd = commands(family="cappedbatch", fn=look)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {}, actor=a) for a in (first, second)])
+    family = dispatcher.families["cappedbatch"]
+    claimed = [c for c in dispatcher.claimer.claim_family(family).claimed if c.id in ids]
+    assert [c.id for c in claimed] == ids
+    results = dispatcher.delivery.deliver_batch(
+        [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True
+    )
+    assert [r.outcome for r in results] == [Outcome.DELIVERED] * 2
+    assert seen["at_start"] == 1  # held: younger than HOLD_FOR when the second row started
+    assert seen["still_held"] == 0  # written by a tick while the second handler ran
+    assert seen["freed_after"] < 4

@@ -544,20 +544,25 @@ def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
 def test_held_releases_go_out_with_the_next_start_or_at_the_messages_end(
     caps_url: str, run_id: str
 ) -> None:
-    """The releases of rows whose handlers returned are held (no write) until the next
-    row's start writes them, with any others held, or the end of the message does. Either
-    way the wake they ask for is not lost."""
+    """The releases of rows whose handlers returned are held (no write) until a start finds
+    the oldest held at least ``older_than`` (HOLD_FOR) ago and writes them all, one script
+    run per family, or the end of the message does. Either way the wakes they ask for are
+    not lost, and each slot is noted freed once for its actor's waiting rows."""
     caps = Caps(caps_url, f"t{run_id}held")
     caps.restore([])
     a, b, c = (Slot("f", x, uuid.uuid4(), 1) for x in "abc")
-    assert caps.acquire_many([a, b, c], lease=30) == [True, True, True]
+    g = Slot("g", "a", uuid.uuid4(), 1)
+    assert caps.acquire_many([a, b, c, g], lease=30) == [True] * 4
     caps.hold_releases([a])
+    caps.hold_releases([g])
     caps.hold_releases([b])
+    assert caps.send_held_releases(older_than=60) == set()  # too young: still held
     assert caps.holders("f", "a") == [str(a.token)]  # nothing written yet
-    woken = caps.send_held_releases()  # the next start: both in one write
+    woken = caps.send_held_releases(older_than=0)  # a start: all three in one write
     woken |= caps.release_settled([], wait=True)
-    assert woken == {"f"}
-    assert caps.holders("f", "a") == [] and caps.holders("f", "b") == []
+    assert woken == {"f", "g"}
+    assert caps.holders("f", "a") == caps.holders("f", "b") == caps.holders("g", "a") == []
+    assert caps.take_freed("f") == {"a": 1, "b": 1} and caps.take_freed("g") == {"a": 1}
     caps.hold_releases([c])
     caps.release_settled([], wait=True)  # the message's end
     assert caps.holders("f", "c") == []
