@@ -15,10 +15,11 @@ from tests.acceptance.caps_families import declare_families
 from tests.acceptance.envapp import SCHEMA, make_app
 
 LEASE = float(os.environ.get("OUTBOX_TEST_LEASE", "5"))
+HEARTBEAT_TIMEOUT = float(os.environ.get("OUTBOX_TEST_HEARTBEAT_TIMEOUT", "0"))
 app, dispatcher = make_app("caps_acceptance", claim_interval=0.25, pool_size=10)
 
 
-declare_families(dispatcher, LEASE)
+declare_families(dispatcher, LEASE, HEARTBEAT_TIMEOUT)
 
 
 def _record(ctx: Context, payload: Any, started: float, ok: bool) -> None:
