@@ -31,7 +31,6 @@ SCRIPTS = {  # lua/: one script per step a slot goes through
     "acquire": "caps_acquire.lua",
     "renew": "caps_renew.lua",
     "release": "caps_release.lua",
-    "release_unrenewed": "caps_release_unrenewed.lua",
     "restore": "caps_restore.lua",
     "take_freed": "caps_take_freed.lua",
 }
@@ -205,16 +204,17 @@ class Caps:
         return [self.key(family, actor, scope), self.sentinel]
 
     def release_call(
-        self, slots: Sequence[Slot], database: str | None
+        self, slots: Sequence[Slot], database: str | None, *, unrenewed: bool = False
     ) -> tuple[list[str], list[Any]]:
-        """Keys and arguments of caps_release.lua (or caps_release_unrenewed.lua) for
-        ``slots``, all of one family; ``database``: whose claimer the wake key is for."""
+        """Keys and arguments of caps_release.lua for ``slots``, all of one family;
+        ``database``: whose claimer the wake key is for; ``unrenewed``: only slots no
+        heartbeat renewed."""
         family = slots[0].family
         assert all(s.family == family for s in slots), "one family per release run"
         wake = f"{self.prefix}:wake:" + (family if database is None else f"{database}:{family}")
         freed = [self.freed_key(family, d) for d in self.databases]
         keys = [wake, *freed, *(self.key(s.family, s.actor, s.scope) for s in slots)]
-        args: list[Any] = [self.wake_ms, len(freed)]
+        args: list[Any] = [self.wake_ms, len(freed), int(unrenewed)]
         for s in slots:
             args += [str(s.token), s.actor]
         return keys, args
@@ -242,11 +242,11 @@ class Caps:
     def release_lapsed(self, slots: Sequence[Slot], database: str | None = None) -> bool:
         """``release`` for the slots (of one family) of started attempts whose lease ran out
         (a claim gives them back before it takes slots), those no heartbeat renewed only
-        (caps_release_unrenewed.lua); True when the claimer of ``database`` should be woken.
-        Raises CapsUnavailable."""
-        return (
-            bool(slots) and self._run("release_unrenewed", *self.release_call(slots, database)) == 1
-        )
+        (caps_release.lua); True when the claimer of ``database`` should be woken. Raises
+        CapsUnavailable."""
+        if not slots:
+            return False
+        return self._run("release", *self.release_call(slots, database, unrenewed=True)) == 1
 
     def release_many(self, slots: Sequence[Slot]) -> None:
         """Return slots a claim took but did not use (nothing was settled: no freed note)."""

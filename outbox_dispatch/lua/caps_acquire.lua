@@ -4,7 +4,7 @@
 -- ARGV: lease ms, then token and cap per slot. Expired holders are dropped first.
 -- A claim's lease end is written half a millisecond late: a score ending in .5 marks a slot
 -- no heartbeat has renewed since its claim (renewals write whole ms; a rebuild writes .5 too),
--- which is what caps_release_unrenewed.lua may give back once its row's lease ran out.
+-- which is what caps_release.lua (unrenewed) may give back once its row's lease ran out.
 -- Returns a list: per slot 1 granted (or renewed: the token already holds it), 0 at cap; or
 -- the one-element list {-1} when the sentinel is missing (Redis lost its data): the caller
 -- must rebuild before claiming.
