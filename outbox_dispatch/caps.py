@@ -239,6 +239,11 @@ class Caps:
         (a start, the heartbeat's tick); the families to wake."""
         return self._writes.send_held(older_than)
 
+    def send_held_releases_now(self, older_than: float) -> None:
+        """``send_held_releases`` for a thread that must not wait (the heartbeat's tick):
+        written only if that needs no waiting, answers left for the delivery path."""
+        self._writes.send_held_now(older_than)
+
     def release_lapsed(self, slots: Sequence[Slot], database: str | None = None) -> bool:
         """``release`` for the slots (of one family) of started attempts whose lease ran out
         (a claim gives them back before it takes slots), those no heartbeat renewed only

@@ -7,14 +7,15 @@ pool process on two busy cores, and the answer only says whether to wake the cla
 Releases are held back, unsent, and written together, one script run per family (each write
 cost a batched row a system call and a wake-up of Redis, 12 % of its delivery time): by a
 row's start once the oldest held one is ``HOLD_FOR`` old, by the heartbeat thread's next tick
-when a handler runs longer than that, and at the end of the message. A slot so goes back at
+when a handler runs longer than that (never waiting: ``send_held_now``), and at the end of
+the message. A slot so goes back at
 most a few milliseconds after its handler returned, or a heartbeat tick while the next
 handler runs; holding a slot longer never lets an actor run more than its cap.
 
-Answers are read later: with the next write (what has arrived), or at the end of the message
-(everything). Redis runs commands in the order they arrive, so a write takes effect once
-Redis has read it, whoever reads the answer. An answer lost with the connection loses
-nothing: a slot not released expires with its lease.
+Answers are read later: with the next write from the delivery path (what has arrived), or at
+the end of the message (everything). Redis runs commands in the order they arrive, so a
+write takes effect once Redis has read it, whoever reads the answer. An answer lost with the
+connection loses nothing: a slot not released expires with its lease.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ class PipelinedSlotWrites:
         self._held_pid = 0
 
     def hold(self, slots: Sequence[Slot], database: str | None) -> None:
-        """Keep the releases of ``slots`` for a later write (no I/O): see ``send_held``."""
+        """Keep the releases of ``slots`` for a later write: see ``send_held``. No I/O but
+        a process's first, which opens its connection here, on the delivery path, so that the
+        heartbeat's tick (``send_held_now``) never has to."""
         with self._lock:
             if self._held_pid != os.getpid():
                 self._held.clear()  # a forked child never sends its parent's
@@ -83,6 +86,11 @@ class PipelinedSlotWrites:
             if not self._held:
                 self._held_since = time.monotonic()
             self._held += [(s, database) for s in slots]
+            if self._conn is None or self._pid != os.getpid():
+                try:
+                    self._connection()
+                except redis.RedisError:
+                    self._drop()  # the next write tries again, and says what failed
 
     def send_held(self, older_than: float = 0.0) -> set[str]:
         """Write the held releases, if the oldest was held ``older_than`` seconds ago; the
@@ -90,6 +98,39 @@ class PipelinedSlotWrites:
         if not self._held or time.monotonic() - self._held_since < older_than:
             return set()
         return self._write([], False)
+
+    def send_held_now(self, older_than: float) -> None:
+        """The heartbeat thread's ``send_held``: it must never wait (the leases it renews
+        cannot), so it writes only when the lock is free and the connection open, and reads
+        no answer (a NOSCRIPT answer is run again the waited way). The answers, and the wakes
+        they ask for, are read by the next write or at the end of the message; until then the
+        claim pass finds the freed slots noted."""
+        if not self._held or time.monotonic() - self._held_since < older_than:
+            return
+        if not self._lock.try_acquire():
+            return
+        try:
+            conn = self._conn
+            if conn is None or self._pid != os.getpid() or self._held_pid != os.getpid():
+                return
+            slots, self._held = self._held, []
+            writes = runs(slots)
+            self._sent.extend(writes)
+            try:
+                commands = [self._command(w) for w in writes]
+                conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            except redis.RedisError as exc:
+                lost = sum(len(w.slots) for w in self._sent)
+                self._drop()
+                event(
+                    log,
+                    logging.WARNING,
+                    "cap_write_failed",
+                    f"{type(exc).__name__}: {mask_dsn(str(exc))}; up to {lost} slot releases "
+                    "lost: those slots free when their leases end",
+                )
+        finally:
+            self._lock.release()
 
     def release(self, slots: Sequence[Slot], database: str | None, *, wait: bool) -> set[str]:
         """Send the releases of ``slots`` with those held; return the families whose claimer

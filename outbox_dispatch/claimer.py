@@ -72,7 +72,7 @@ class ClaimReport:
 
 
 # Tokens of lapsed holders a claimer remembers per family as given back (claim_lapsed_holders
-# reads the latest 100 of them at each claim).
+# reads every one at each claim until its row is claimed again).
 LAPSED_KEPT = 1000
 
 
@@ -279,7 +279,7 @@ class Claimer:
             logging.WARNING,
             "cap_slots_reclaimed",
             f"{len(slots)} cap slots of started attempts whose lease ran out (worker died or "
-            "stalled) given back",
+            "stalled) given back, those no heartbeat still renews",
             family=family.name,
             actors=sorted({s.actor for s in slots}),
         )

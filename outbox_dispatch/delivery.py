@@ -143,7 +143,7 @@ class Delivery:
         self.on_slot_freed = on_slot_freed
         self.rand = rand
         self.run_times = run_times
-        self.heartbeats = Heartbeats(store, on_tick=self._send_held_releases)
+        self.heartbeats = Heartbeats(store, on_tick=self._send_old_releases_unwaited)
         self.deferred = DeferredSettles(store, self._settle_refused)
 
     def deliver_message(
@@ -368,10 +368,15 @@ class Delivery:
             self._woken(self.caps.release_settled([], self.caps_database, wait=True))
 
     def _send_held_releases(self) -> None:
-        """Write the slot releases held for HOLD_FOR or longer (a start, or the heartbeat's
-        tick while a long handler runs)."""
+        """Write the slot releases held for HOLD_FOR or longer (a start)."""
         if self.caps is not None:
             self._woken(self.caps.send_held_releases(HOLD_FOR))
+
+    def _send_old_releases_unwaited(self) -> None:
+        """The heartbeat's tick while a long handler runs: the releases held for HOLD_FOR or
+        longer, written if that needs no waiting (the tick must not delay the renewals)."""
+        if self.caps is not None:
+            self.caps.send_held_releases_now(HOLD_FOR)
 
     def _woken(self, families: set[str]) -> None:
         """Release answers said these families' claimers should let a waiting row in."""

@@ -41,6 +41,13 @@ class ForkSafeLock:
     def locked(self) -> bool:
         return self._lock.locked()
 
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free, without waiting (pair with ``release``)."""
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._lock.release()
+
     def _renew(self) -> None:
         self._lock = threading.Lock()
 

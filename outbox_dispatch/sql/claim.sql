@@ -142,13 +142,14 @@ ORDER BY rank NULLS LAST, due_at, id;
 -- Started attempts of the family whose lease ran out: their worker died or stalled past the
 -- heartbeat timeout. Their cap slots still run to their claims' leases (a start does not
 -- shorten a young claim's slot, delivery.py), so the claim gives them back before it takes
--- slots. The latest 100, backwards along the outbox_claimed index; an attempt that never
--- started needs nothing: its slot ends with its claim's lease.
+-- slots. All of them, along the outbox_claimed index (claimed rows only, so never the due
+-- backlog; a dead worker's rows are claimed again, under new tokens, by this very claim, so
+-- one left out here would keep its slot for a whole lease); an attempt that never started
+-- needs nothing: its slot ends with its claim's lease.
 SELECT actor, command, claim_token FROM __SCHEMA__.outbox
 WHERE family = %(family)s AND claim_token IS NOT NULL AND due_at <= now()
   AND started_at IS NOT NULL AND actor IS NOT NULL
-ORDER BY due_at DESC
-LIMIT 100;
+ORDER BY due_at;
 
 -- name: claim_mark_waiting
 -- Rows whose actor is at its cap leave the due range for one lease, or until a slot frees.

@@ -3,6 +3,7 @@ loses its data, and ordered families' head-of-line rules."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -212,6 +213,37 @@ def test_a_young_claims_row_starts_without_a_word_to_redis_and_a_dead_holders_sl
     finally:
         del caps.renew
     assert count_rows(database_url, capped.schema, f"id = {later} AND attempts = 0") == 1
+
+
+def test_a_claim_gives_back_every_dead_holders_slot_however_many_died(
+    capped: Dispatcher, record: Callable[..., str], database_url: str
+) -> None:
+    """A worker killed with 150 started capped rows (one per actor, cap 1, before their
+    first renewal): the claim after their leases gives back all 150 slots and takes the rows
+    again, none left waiting a claim's lease behind a dead holder."""
+    assert capped.caps is not None
+    caps = capped.caps
+    name = f"many{uuid.uuid4().hex[:6]}"
+    capped.family(name, per_actor=1, lease=60, heartbeat_timeout=5)
+    fam = capped.families[name]
+    cmd = record(name)
+    ids = _enqueue(capped, database_url, [Message(cmd, {}, actor=f"a{i}") for i in range(150)])
+    first = {c.id: c for c in capped.claimer.claim_family(fam).claimed}
+    assert set(first) == set(ids)
+    for c in first.values():  # started, never renewed, never settled
+        started = capped.store.begin(c.id, c.token, fam.heartbeat_timeout)
+        assert started is not None and capped.delivery._check_slot(started, fam) is not None
+    with psycopg.connect(database_url, autocommit=True) as conn:  # their leases run out
+        conn.execute(
+            f"UPDATE \"{capped.schema}\".outbox SET due_at = now() - interval '1 s' "
+            "WHERE id = ANY(%s)",
+            (ids,),
+        )
+    again = {c.id: c for c in capped.claimer.claim_family(fam).claimed}
+    assert set(again) == set(ids)  # every row taken again, none set waiting
+    for c in again.values():
+        actor = f"a{ids.index(c.id)}"
+        assert caps.holders(name, actor) == [str(c.token)]
 
 
 def _age_claim(capped: Dispatcher, database_url: str, row_id: int, seconds: int) -> None:
@@ -567,6 +599,45 @@ def test_held_releases_go_out_with_the_next_start_or_at_the_messages_end(
     caps.release_settled([], wait=True)  # the message's end
     assert caps.holders("f", "c") == []
     assert caps.send_held_releases() == set()  # nothing held: no write
+    caps.close()
+
+
+def test_the_heartbeats_tick_writes_held_releases_only_when_that_needs_no_waiting(
+    caps_url: str, run_id: str
+) -> None:
+    """The tick (caps.send_held_releases_now) must never delay the lease renewals of its
+    thread: with the writes' lock taken by another thread, or no connection open yet, it
+    leaves the releases held and returns at once (the first hold of a process opens it, on
+    the delivery path); otherwise it writes them, and their answers are read by the delivery
+    path's next write."""
+    caps = Caps(caps_url, f"t{run_id}tick")
+    caps.restore([])
+    a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
+    assert caps.acquire_many([a, b], lease=30) == [True, True]
+    writes = caps._writes
+    caps.hold_releases([a])  # opens the writes' connection (the delivery path may wait)
+    assert writes._conn is not None
+    writes._drop()  # as when a write failed: the tick does not reconnect
+    caps.send_held_releases_now(0)
+    assert caps.holders("f", "a") == [str(a.token)]
+    caps.release_settled([], wait=True)  # the message's end: opens it, writes, reads
+    assert caps.holders("f", "a") == []
+    caps.hold_releases([b])
+    with writes._lock:  # another thread writing
+        t0 = time.monotonic()
+        caps.send_held_releases_now(0)
+        assert time.monotonic() - t0 < 0.1
+    assert caps.holders("f", "b") == [str(b.token)]
+    caps.send_held_releases_now(60)  # too young
+    assert caps.holders("f", "b") == [str(b.token)]
+    time.sleep(caps.wake_ms / 1000 + 0.05)  # past a's wake window: b's release wakes
+    caps.send_held_releases_now(0)
+    deadline = time.monotonic() + 2
+    while caps.holders("f", "b"):  # written; nobody read the answer yet
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(writes._sent) == 1
+    assert caps.release_settled([], wait=True) == {"f"}  # the answer, and its wake
     caps.close()
 
 
