@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from .caps_pipelined import PipelinedSlotWrites
+from .caps_pipelined import PipelinedSlotWrites, Wake
 from .errors import ConfigurationError, OutboxError
 from .forksafe import ForkSafeLock
 from .logs import event, mask_dsn
@@ -221,11 +221,12 @@ class Caps:
 
     def release_settled(
         self, slots: Sequence[Slot], database: str | None = None, *, wait: bool = True
-    ) -> set[str]:
+    ) -> set[Wake]:
         """``release`` for the slots of finished rows, sent without waiting for Redis's
-        answers (caps_pipelined.py); returns the families whose claimer of ``database`` should be
-        woken, from the answers read: all of them with ``wait``, else those already in. A
-        failure is logged: the slots expire with their leases, the cap stays safe."""
+        answers (caps_pipelined.py); returns the claimers to wake, as (family, database), from
+        the answers read (also of releases held for other databases of this process): all of
+        them with ``wait``, else those already in. A failure is logged: the slots expire with
+        their leases, the cap stays safe."""
         return self._writes.release(slots, database, wait=wait)
 
     def hold_releases(self, slots: Sequence[Slot], database: str | None = None) -> None:
@@ -234,9 +235,9 @@ class Caps:
         end): no write of their own (caps_pipelined.py)."""
         self._writes.hold(slots, database)
 
-    def send_held_releases(self, older_than: float = 0.0) -> set[str]:
+    def send_held_releases(self, older_than: float = 0.0) -> set[Wake]:
         """Write the held releases now, if the oldest was held ``older_than`` seconds ago
-        (a start, the heartbeat's tick); the families to wake."""
+        (a start); the claimers to wake, as (family, database)."""
         return self._writes.send_held(older_than)
 
     def send_held_releases_now(self, older_than: float) -> None:

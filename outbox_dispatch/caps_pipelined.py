@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# A claimer to wake: (family, database; None for the first)
+Wake = tuple[str, str | None]
+
 # Seconds the oldest held release may wait for a start to write it with the later ones.
 HOLD_FOR = 0.005
 
@@ -92,9 +95,9 @@ class PipelinedSlotWrites:
                 except redis.RedisError:
                     self._drop()  # the next write tries again, and says what failed
 
-    def send_held(self, older_than: float = 0.0) -> set[str]:
+    def send_held(self, older_than: float = 0.0) -> set[Wake]:
         """Write the held releases, if the oldest was held ``older_than`` seconds ago; the
-        families to wake, as ``release``."""
+        claimers to wake, as ``release``."""
         if not self._held or time.monotonic() - self._held_since < older_than:
             return set()
         return self._write([], False)
@@ -132,13 +135,13 @@ class PipelinedSlotWrites:
         finally:
             self._lock.release()
 
-    def release(self, slots: Sequence[Slot], database: str | None, *, wait: bool) -> set[str]:
-        """Send the releases of ``slots`` with those held; return the families whose claimer
-        should be woken, from the answers read now: all of them with ``wait``, else those
-        already here."""
+    def release(self, slots: Sequence[Slot], database: str | None, *, wait: bool) -> set[Wake]:
+        """Send the releases of ``slots`` with those held; return the claimers to wake, as
+        (family, database) (releases of every database of the process ride together), from
+        the answers read now: all of them with ``wait``, else those already here."""
         return self._write([(s, database) for s in slots], wait)
 
-    def _write(self, slots: list[tuple[Slot, str | None]], wait: bool) -> set[str]:
+    def _write(self, slots: list[tuple[Slot, str | None]], wait: bool) -> set[Wake]:
         with self._lock:
             if self._held and self._held_pid == os.getpid():
                 slots = self._held + slots
@@ -169,10 +172,10 @@ class PipelinedSlotWrites:
         keys, args = self.caps.release_call(w.slots, w.database)
         return ("EVALSHA", self.caps.script_sha("release"), len(keys), *keys, *args)
 
-    def _read(self, conn: Any, wait: bool) -> set[str]:
+    def _read(self, conn: Any, wait: bool) -> set[Wake]:
         """The answers in the order the writes were sent: every one with ``wait``, else those
         already arrived (no wait)."""
-        woken: set[str] = set()
+        woken: set[Wake] = set()
         while self._sent and (wait or conn.can_read(timeout=0)):
             w = self._sent.popleft()
             family = w.slots[0].family
@@ -186,7 +189,7 @@ class PipelinedSlotWrites:
                 event(log, logging.WARNING, "cap_write_failed", str(exc), family=family)
                 continue
             if answer == 1:
-                woken.add(family)
+                woken.add((family, w.database))
         return woken
 
     def _connection(self) -> Any:

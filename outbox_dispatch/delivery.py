@@ -14,7 +14,7 @@ from uuid import UUID
 
 from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
-from .caps_pipelined import HOLD_FOR
+from .caps_pipelined import HOLD_FOR, Wake
 from .deferred_settles import DeferredSettles, carried
 from .errors import DatabaseUnavailable, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
@@ -127,7 +127,8 @@ class Delivery:
         cap_rule: Callable[[Family, str, str | None], CapRule | None] = (
             lambda family, command, actor: cap_rule(family, command, None, actor)
         ),
-        on_slot_freed: Callable[[str], None] = lambda family: None,
+        # (family, database: None for the first) whose claimer lets a waiting row in
+        on_slot_freed: Callable[[str, str | None], None] = lambda family, database: None,
         rand: Callable[[], float] = random.random,
         run_times: RunTimes | None = None,
         database: str = "default",
@@ -378,10 +379,12 @@ class Delivery:
         if self.caps is not None:
             self.caps.send_held_releases_now(HOLD_FOR)
 
-    def _woken(self, families: set[str]) -> None:
-        """Release answers said these families' claimers should let a waiting row in."""
-        for family_name in sorted(families):
-            self.on_slot_freed(family_name)
+    def _woken(self, wakes: set[Wake]) -> None:
+        """Release answers said these claimers (family, database) should let a waiting row
+        in: a process's held releases of every database ride together, so some may be
+        another database's."""
+        for family_name, database in sorted(wakes, key=lambda w: (w[0], w[1] or "")):
+            self.on_slot_freed(family_name, database)
 
     def _settle_refused(self, kind: SettleKind, started: Started) -> None:
         """A deferred settle the batch statement skipped: a cancel request arrived, or the
@@ -646,7 +649,7 @@ class Delivery:
         if slot is not None:
             assert self.caps is not None
             if self.caps.release([slot], self.caps_database):
-                self.on_slot_freed(slot.family)  # a claim lets a waiting row in
+                self.on_slot_freed(slot.family, self.caps_database)  # lets a waiting row in
 
 
 def _deadlines(family: Family) -> tuple[float | None, float | None]:

@@ -231,7 +231,7 @@ class Dispatcher:
             self.families,
             caps=self.caps,
             cap_rule=self.cap_rule,
-            on_slot_freed=partial(self.request_claim, database=name),
+            on_slot_freed=self.request_claim,  # the database the freed slot's release named
             run_times=RunTimes(store),
             database=name,
             primary=primary,

@@ -294,7 +294,7 @@ def test_a_capped_batch_gives_each_slot_back_when_its_handler_returns(
 
     ours = {c.token for c in claimed}  # the session worker may settle other rows meanwhile
 
-    def release_settled(slots: Any, database: Any = None, *, wait: bool = True) -> set[str]:
+    def release_settled(slots: Any, database: Any = None, *, wait: bool = True) -> Any:
         if n := sum(s.token in ours for s in slots):
             calls.append(n)
         return real(slots, database, wait=wait)

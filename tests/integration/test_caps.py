@@ -529,7 +529,7 @@ def test_pipelined_scripts_work_as_a_fresh_process_s_first_call_and_after_a_scri
     fresh.hold_releases([a])
     woken = fresh.send_held_releases()
     woken |= fresh.release_settled([], wait=True)  # every answer read
-    assert woken == {"f"} and fresh.holders("f", "a") == []
+    assert woken == {("f", None)} and fresh.holders("f", "a") == []
     redis.Redis.from_url(caps_url).script_flush()
     fresh.hold_releases([b])
     fresh.send_held_releases()
@@ -565,7 +565,7 @@ def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
     assert caps.acquire_many(slots, lease=30) == [True] * 3
     woken = caps.release_settled(slots[:2], wait=False)  # what arrived by now, maybe nothing
     woken |= caps.release_settled([slots[2]], wait=True)  # reads every answer
-    assert woken == {"f"}  # the first release of the window asked for a claim
+    assert woken == {("f", None)}  # the first release of the window asked for a claim
     assert all(caps.holders("f", s.actor) == [] for s in slots)
     again = Slot("f", "a0", uuid.uuid4(), 1)  # the freed slot can be taken again
     assert caps.acquire_many([again], lease=30) == [True]
@@ -592,13 +592,20 @@ def test_held_releases_go_out_with_the_next_start_or_at_the_messages_end(
     assert caps.holders("f", "a") == [str(a.token)]  # nothing written yet
     woken = caps.send_held_releases(older_than=0)  # a start: all three in one write
     woken |= caps.release_settled([], wait=True)
-    assert woken == {"f", "g"}
+    assert woken == {("f", None), ("g", None)}
     assert caps.holders("f", "a") == caps.holders("f", "b") == caps.holders("g", "a") == []
     assert caps.take_freed("f") == {"a": 1, "b": 1} and caps.take_freed("g") == {"a": 1}
     caps.hold_releases([c])
     caps.release_settled([], wait=True)  # the message's end
     assert caps.holders("f", "c") == []
     assert caps.send_held_releases() == set()  # nothing held: no write
+    # a process delivering for two databases holds both's releases: each wake names its own
+    d2, d3 = Slot("f", "d", uuid.uuid4(), 1), Slot("f", "e", uuid.uuid4(), 1)
+    assert caps.acquire_many([d2, d3], lease=30) == [True, True]
+    time.sleep(caps.wake_ms / 1000 + 0.05)  # past the first database's wake window
+    caps.hold_releases([d2], "db2")
+    caps.hold_releases([d3])
+    assert caps.release_settled([], wait=True) == {("f", "db2"), ("f", None)}
     caps.close()
 
 
@@ -637,7 +644,7 @@ def test_the_heartbeats_tick_writes_held_releases_only_when_that_needs_no_waitin
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert len(writes._sent) == 1
-    assert caps.release_settled([], wait=True) == {"f"}  # the answer, and its wake
+    assert caps.release_settled([], wait=True) == {("f", None)}  # the answer, and its wake
     caps.close()
 
 
@@ -650,7 +657,7 @@ def test_a_release_sent_before_redis_lost_its_scripts_runs_again_once(
     caps.restore([])
     first, second = Slot("f", "a", uuid.uuid4(), 2), Slot("f", "a", uuid.uuid4(), 2)
     assert caps.acquire_many([first, second], lease=30) == [True, True]
-    assert caps.release_settled([first], wait=True) == {"f"}  # the connection is open now
+    assert caps.release_settled([first], wait=True) == {("f", None)}  # the connection is open now
     redis.Redis.from_url(caps_url).script_flush()
     caps.release_settled([second], wait=True)
     assert caps.holders("f", "a") == []

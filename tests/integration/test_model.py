@@ -538,7 +538,7 @@ def model_env(database_url: str, redis_url: str, schema: str, key_prefix: str) -
     )
     for name, spec in SPECS.items():
         assert d.family(name, **COMMON, **spec) == FAMILIES[name]
-    d.delivery.on_slot_freed = lambda family: None  # a claim request would only publish a task
+    d.delivery.on_slot_freed = lambda family, database: None  # a claim request: only a task
     # the deferred settles' thread would settle a batch's successes at a moment of its own;
     # here only the batch's flush at its end settles them (a kill before it loses them)
     d.delivery.deferred._wake = _Unwoken()
@@ -1022,7 +1022,7 @@ class ModelMachine(RuleBasedStateMachine):
         elif outcome is Outcome.CANCELLED:
             assert a is not None and a.cancelled and msg.id not in after.requests, a
         self.retire(msg.id, msg.token)
-        if self.capped(msg):
+        if self.capped(msg) and str(msg.token) not in self.orphaned:
             left = self.slot_left(after, msg)
             assert left is None, f"{msg}: settled, its slot is still there ({left} s)"
 
