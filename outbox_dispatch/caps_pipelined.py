@@ -98,9 +98,7 @@ class PipelinedSlotWrites:
     def send_held(self, older_than: float = 0.0) -> set[Wake]:
         """Write the held releases, if the oldest was held ``older_than`` seconds ago; the
         claimers to wake, as ``release``."""
-        if not self._held or time.monotonic() - self._held_since < older_than:
-            return set()
-        return self._write([], False)
+        return self._write([], False) if self._held_for(older_than) else set()
 
     def send_held_now(self, older_than: float) -> None:
         """The heartbeat thread's ``send_held``: it must never wait (the leases it renews
@@ -108,30 +106,17 @@ class PipelinedSlotWrites:
         no answer (a NOSCRIPT answer is run again the waited way). The answers, and the wakes
         they ask for, are read by the next write or at the end of the message; until then the
         claim pass finds the freed slots noted."""
-        if not self._held or time.monotonic() - self._held_since < older_than:
-            return
-        if not self._lock.try_acquire():
+        if not self._held_for(older_than) or not self._lock.try_acquire():
             return
         try:
             conn = self._conn
             if conn is None or self._pid != os.getpid() or self._held_pid != os.getpid():
                 return
             slots, self._held = self._held, []
-            writes = runs(slots)
-            self._sent.extend(writes)
             try:
-                commands = [self._command(w) for w in writes]
-                conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+                self._send(conn, slots)
             except redis.RedisError as exc:
-                lost = sum(len(w.slots) for w in self._sent)
-                self._drop()
-                event(
-                    log,
-                    logging.WARNING,
-                    "cap_write_failed",
-                    f"{type(exc).__name__}: {mask_dsn(str(exc))}; up to {lost} slot releases "
-                    "lost: those slots free when their leases end",
-                )
+                self._lost(exc)
         finally:
             self._lock.release()
 
@@ -151,22 +136,35 @@ class PipelinedSlotWrites:
             try:
                 conn = self._connection()
                 if slots:
-                    writes = runs(slots)
-                    self._sent.extend(writes)  # counted as lost below if the write fails
-                    commands = [self._command(w) for w in writes]
-                    conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+                    self._send(conn, slots)
                 return self._read(conn, wait)
             except redis.RedisError as exc:
-                lost = sum(len(w.slots) for w in self._sent)
-                self._drop()
-                event(
-                    log,
-                    logging.WARNING,
-                    "cap_write_failed",
-                    f"{type(exc).__name__}: {mask_dsn(str(exc))}; up to {lost} slot releases "
-                    "lost: those slots free when their leases end",
-                )
+                self._lost(exc)
                 return set()
+
+    def _held_for(self, seconds: float) -> bool:
+        """Whether releases are held, the oldest for ``seconds`` or longer."""
+        return bool(self._held) and time.monotonic() - self._held_since >= seconds
+
+    def _send(self, conn: Any, slots: list[tuple[Slot, str | None]]) -> None:
+        """Write ``slots``' releases, a script run per (family, database); called with the
+        lock held. Their answers are read later (``_read``)."""
+        writes = runs(slots)
+        self._sent.extend(writes)  # counted as lost by ``_lost`` if the write fails
+        commands = [self._command(w) for w in writes]
+        conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+
+    def _lost(self, exc: redis.RedisError) -> None:
+        """A write or read failed: the connection goes, with every answer not read yet."""
+        lost = sum(len(w.slots) for w in self._sent)
+        self._drop()
+        event(
+            log,
+            logging.WARNING,
+            "cap_write_failed",
+            f"{type(exc).__name__}: {mask_dsn(str(exc))}; up to {lost} slot releases "
+            "lost: those slots free when their leases end",
+        )
 
     def _command(self, w: Sent) -> tuple[Any, ...]:
         keys, args = self.caps.release_call(w.slots, w.database)

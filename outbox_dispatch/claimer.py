@@ -196,7 +196,7 @@ class Claimer:
 
     def _claim_capped_once(self, family: Family, batch: int, caps: Caps) -> ClaimResult:
         taken: dict[int, Slot] = {}  # row id -> the slot granted for it
-        wake: list[str] = []  # lapsed holders' slots freed: their actors' waiting rows are due
+        wake = False  # lapsed holders' slots freed: their actors' waiting rows are due
 
         def rule(c: Candidate) -> CapRule | None:
             return self.cap_rule(family, c.command, c.actor)
@@ -204,8 +204,8 @@ class Claimer:
         def decide(
             candidates: list[Candidate], limit: int, lapsed: list[LapsedHolder]
         ) -> CappedDecision:
-            if self._release_lapsed(family, lapsed, caps):
-                wake.append(family.name)
+            nonlocal wake
+            wake |= self._release_lapsed(family, lapsed, caps)
             plan = plan_capped_claim(candidates, rule, limit)
             tokens = {c.id: uuid.uuid4() for c in plan.take}
             capped = [(c, r) for c in plan.take if (r := rule(c)) is not None]
