@@ -20,7 +20,7 @@ from .errors import DatabaseUnavailable, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
-from .policy import CapRule, Family, cap_rule
+from .policy import CapRule, Family, cap_rule, family_claims_at_start
 from .pool import Conn
 from .rows import Started
 from .runstats import RunTimes
@@ -148,14 +148,21 @@ class Delivery:
         self.deferred = DeferredSettles(store, self._settle_refused)
 
     def deliver_message(
-        self, args: tuple[Any, ...], *, family_hint: str | None = None, defer: bool = False
+        self,
+        args: tuple[Any, ...],
+        *,
+        family_hint: str | None = None,
+        defer: bool = False,
+        claim: bool = False,
     ) -> list[Result]:
         """Deliver what a broker message names: one (id, token) pair or a batch of them.
-        ``defer``: a worker hands eligible successes to the deferred settles."""
+        ``defer``: a worker hands eligible successes to the deferred settles. ``claim``: a
+        one-row message of the listener's hand-off whose row is not claimed yet
+        (``claims_at_start``): its start claims it."""
         pair = parse_message(args)
-        pairs = parse_batch(args) if pair is None else None
+        pairs = parse_batch(args) if pair is None and not claim else None
         if pair is not None:
-            results = [self.deliver(*pair, family_hint=family_hint, defer=defer)]
+            results = [self.deliver(*pair, family_hint=family_hint, defer=defer, claim=claim)]
         elif pairs is not None:
             results = self.deliver_batch(pairs, family_hint=family_hint, defer=defer)
         else:
@@ -272,12 +279,22 @@ class Delivery:
         family_hint: str | None = None,
         defer: bool = False,
         renew_until: float | None = None,
+        claim: bool = False,
     ) -> Result:
-        started = self._start(row_id, token, family_hint)
+        if claim:
+            started = self._claim_start(row_id, token, family_hint)
+        else:
+            started = self._start(row_id, token, family_hint)
         family = None if started is None else self.families.get(started.family)
         held = None if started is None or family is None else self._check_slot(started, family)
         # returned handlers' releases, unless they were held for less than HOLD_FOR
         self._send_held_releases()
+        if started is None and claim:
+            # nothing to explain: the claim it raced took the row, or the family's room is
+            # full and the NOTIFY the statement sent asks for a claim
+            why = "not claimed at its start (claimed elsewhere, or no room in flight)"
+            event(log, logging.DEBUG, "stale_dropped", why, row_id=row_id, family=family_hint)
+            return Result(Outcome.STALE, row_id, why)
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
@@ -324,6 +341,23 @@ class Delivery:
             self.deferred.give_back(pending)
             raise
         self.deferred.landed(pending, settled)
+        return started
+
+    def claims_at_start(self, family: Family) -> bool:
+        return family_claims_at_start(family, self.registry.capped_commands(family.name))
+
+    def _claim_start(self, row_id: int, token: UUID, family_hint: str | None) -> Started | None:
+        """The start of a row the listener handed over unclaimed: claimed and started in one
+        statement. Only a family whose rows a claim may take alone (``claims_at_start``);
+        another's row is left to its family's claim. It carries no deferred settles (the
+        statement is the claim's, with its lock): the settles' thread writes them."""
+        family = self.families.get(family_hint) if family_hint else None
+        if family is None or not self.claims_at_start(family):
+            return None
+        t0 = time.perf_counter()
+        started = self.store.claim_start(family, row_id, token, self._run_lease_for(family))
+        rows = 0 if started is None else 1
+        metrics.claimed(family.name, rows, time.perf_counter() - t0, self.database)
         return started
 
     def _run(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -33,7 +34,7 @@ from .errors import (
 from .handlers import HandlerFn, Registration, Registry
 from .handoff import LocalHandoff
 from .health import Breaker
-from .listener import SAFETY_INTERVAL, CommitListener
+from .listener import SAFETY_INTERVAL, CommitListener, Named
 from .logs import about_database, event, mask_dsn
 from .maintenance import Maintenance
 from .migrations import migrate
@@ -250,6 +251,7 @@ class Dispatcher:
             partial(self.claim_and_publish, database=db.name),
             sweep=self.claim_interval,
             database=self._shown(db),
+            hand=partial(self.hand_unclaimed, database=db.name),
         )
 
     def commit_listeners(self) -> list[CommitListener]:
@@ -591,6 +593,26 @@ class Dispatcher:
             named = None if db.primary else db.name
             self.publisher.publish(family, rows, self.queue_name(family.name), size, named)
 
+    def hand_unclaimed(
+        self, named: Mapping[str, Sequence[Named]], database: str | None = None
+    ) -> set[str]:
+        """Give the rows commits named to this worker's idle pool processes, unclaimed: their
+        starts claim them (listener.py). Returns the families left to a claim: unknown here,
+        capped or ordered, or more rows than this worker has room for."""
+        db = self.database(database)
+        left: set[str] = set()
+        for name, rows in named.items():
+            family = self.families.get(name)
+            if family is None or not db.delivery.claims_at_start(family):
+                left.add(name)
+                continue
+            unclaimed = [Claimed(r.id, uuid.uuid4(), r.command, r.actor, 1) for r in rows]
+            queue = self.queue_name(name)
+            shown = None if db.primary else db.name
+            if not self.publisher.hand_unclaimed(family, unclaimed, queue, shown):
+                left.add(name)
+        return left
+
     def _consumers(self) -> int:
         """How many processes consume a family's queue at least: the ``consumers`` setting, or
         this worker's concurrency (the run-time reports add the processes seen delivering)."""
@@ -636,7 +658,9 @@ class Dispatcher:
     def _publish_to(self, database: str, family: Family, rows: list[Claimed], size: int) -> None:
         self.publish(family, rows, size, database)
 
-    def _deliver_from_queue(self, args: tuple[Any, ...], routing_key: str | None) -> list[Result]:
+    def _deliver_from_queue(
+        self, args: tuple[Any, ...], routing_key: str | None, claim: bool = False
+    ) -> list[Result]:
         prefix = self.queue_prefix + "."
         hint = (
             routing_key[len(prefix) :] if routing_key and routing_key.startswith(prefix) else None
@@ -650,7 +674,7 @@ class Dispatcher:
             return [Result(Outcome.STALE, None, f"unknown database {shown}")]
         with about_database(self._shown(db)):
             try:
-                return db.delivery.deliver_message(rest, family_hint=hint, defer=True)
+                return db.delivery.deliver_message(rest, family_hint=hint, defer=True, claim=claim)
             except DatabaseUnavailable as exc:
                 # acked without a start: its rows are claimed again after their lease, once the
                 # database is back, and this pool process moves on to other databases' rows

@@ -13,6 +13,12 @@ due without a commit (delays, retries, lapsed leases): beat's claim entry, which
 task to a pool process every second for that, then runs only as the safety net (every
 ``SAFETY_INTERVAL``), since each of its ticks delayed the deliveries around it by several ms.
 
+A commit's NOTIFY that names its row (the transaction's first row due now, enqueue.sql) is
+handed, unclaimed, to an idle pool process of this worker when its family lets a start claim
+alone (no caps, no order) and the worker has room for every row named: that process claims
+and starts the row in one statement (deliver_claim_begin), so the hop to it overlaps nothing
+and no claim transaction comes before it. Any other wake is a claim, as before.
+
 A family whose claim stopped at its in-flight limit (or a full queue) is claimed again every
 ``refill`` seconds until a claim finds fewer due rows than it could take: under a backlog the
 queue is topped up as workers free room, without waiting for beat and without a claim loop
@@ -21,10 +27,12 @@ that spins on a few rows at a time.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import psycopg
 
@@ -36,6 +44,51 @@ log = logging.getLogger(__name__)
 
 REFILL = 0.05  # seconds between claims of a family held back by its in-flight limit
 SAFETY_INTERVAL = 10.0  # seconds between beat's claim passes while commit listeners run
+
+
+@dataclass(frozen=True)
+class Named:
+    """A row a commit's NOTIFY named: due now, and claimed by no one when it was sent."""
+
+    family: str
+    id: int
+    command: str
+    actor: str | None
+
+
+Hand = Callable[[dict[str, list[Named]]], set[str]]  # hands named rows; returns families left
+
+
+def read_wakes(payloads: Iterable[str]) -> tuple[set[str], dict[str, list[Named]]]:
+    """The families to claim, and the rows to hand unclaimed: those named by a family that
+    sent no plain wake (a plain one means more rows, which a claim takes in one go). A
+    payload that names a row but does not parse is taken as a wake of nothing."""
+    plain: set[str] = set()
+    named: dict[str, list[Named]] = {}
+    for payload in payloads:
+        if not payload.startswith("["):  # a family's name: never starts with "["
+            plain.add(payload)
+            continue
+        row = _named(payload)
+        if row is not None:
+            named.setdefault(row.family, []).append(row)
+    return plain, {f: rows for f, rows in named.items() if f not in plain}
+
+
+def _named(payload: str) -> Named | None:
+    try:
+        family, row_id, command, actor = json.loads(payload)
+    except (ValueError, TypeError):
+        return None
+    if not (
+        isinstance(family, str)
+        and isinstance(row_id, int)
+        and not isinstance(row_id, bool)
+        and isinstance(command, str)
+        and (actor is None or isinstance(actor, str))
+    ):
+        return None
+    return Named(family, row_id, command, actor)
 
 
 class CommitListener:
@@ -51,6 +104,7 @@ class CommitListener:
         refill: float = REFILL,
         sweep: float | None = None,
         database: str | None = None,
+        hand: Hand | None = None,
     ) -> None:
         self.database = database  # its name in log lines, when the dispatcher has several
         self.database_url = database_url
@@ -61,6 +115,7 @@ class CommitListener:
         self.standby_retry = standby_retry
         self.refill = refill
         self.sweep = sweep
+        self.hand = hand  # named rows to this worker's pool processes, unclaimed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.leading = threading.Event()
@@ -123,7 +178,7 @@ class CommitListener:
                 wait = self.refill if saturated else 0.5
                 if next_sweep is not None:
                     wait = max(0.0, min(wait, next_sweep - time.monotonic()))
-                families = {n.payload for n in conn.notifies(timeout=wait, stop_after=1)}
+                payloads = [n.payload for n in conn.notifies(timeout=wait, stop_after=1)]
                 if next_sweep is not None and time.monotonic() >= next_sweep:
                     # rows that came due without a commit (delays, retries, lapsed leases);
                     # the families just notified are among every family
@@ -131,12 +186,26 @@ class CommitListener:
                     saturated = _held_back(report)
                     next_sweep = self._next_sweep()
                     continue
-                if not families and not saturated:
+                if not payloads and not saturated:
                     continue
-                if families:
-                    families |= {n.payload for n in conn.notifies(timeout=self.coalesce)}
+                if payloads:
+                    payloads += [n.payload for n in conn.notifies(timeout=self.coalesce)]
+                families = self._handed_over(payloads, saturated)
+                if not families and not saturated:
+                    continue  # every row named was handed over: nothing to claim
                 report = self.claim(sorted(families | saturated))
                 saturated = _held_back(report)
+
+    def _handed_over(self, payloads: list[str], saturated: set[str]) -> set[str]:
+        """Hand the named rows over; the families left to claim. A family held back by its
+        in-flight limit is claimed: a start would find no room either."""
+        families, named = read_wakes(payloads)
+        for family in [f for f in named if f in saturated or self.hand is None]:
+            families.add(family)
+            del named[family]
+        if named and self.hand is not None:
+            families |= self.hand(named)
+        return families
 
     def _next_sweep(self) -> float | None:
         return None if self.sweep is None else time.monotonic() + self.sweep

@@ -295,6 +295,13 @@ def family_is_capped(family: Family, has_command_caps: bool) -> bool:
     return not family.ordered and (family.per_actor is not None or has_command_caps)
 
 
+def family_claims_at_start(family: Family, has_command_caps: bool) -> bool:
+    """Whether a row of the family may be claimed by its own start, alone (listener.py,
+    deliver_claim_begin): no cap slot to take and no actor's order to keep, so the family
+    lock and the in-flight count are all a claim decides."""
+    return not family.ordered and not family_is_capped(family, has_command_caps)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A due row of a capped family, as the capped claim sees it (rank 1 = actor's oldest)."""

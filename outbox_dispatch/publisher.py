@@ -27,6 +27,7 @@ from .policy import Family
 from .rows import Claimed
 
 _DISPLAY = ("shadow", "argsrepr", "kwargsrepr")
+CLAIM_AT_START = "claim_at_start"  # a one-row message's kwarg: its start claims its row
 
 Outgoing = list[tuple[tuple[Any, ...], dict[str, Any]]]  # (task args, publish options)
 
@@ -52,7 +53,7 @@ class LocalSink(Protocol):
     """Where a claim's messages may go instead of the broker (handoff.py): ``take`` keeps the
     first messages it has room for and says how many."""
 
-    def take(self, queue: str, wires: Sequence[Wire]) -> int: ...
+    def take(self, queue: str, wires: Sequence[Wire], *, whole: bool = False) -> int: ...
 
 
 class Publisher:
@@ -100,6 +101,29 @@ class Publisher:
             wires = wires[self.local.take(queue, wires) :]
         if wires:
             self.send(queue, wires)
+
+    def hand_unclaimed(
+        self, family: Family, rows: Sequence[Claimed], queue: str, database: str | None = None
+    ) -> bool:
+        """Give this worker's consumer one-row messages of rows not claimed yet, which their
+        starts claim (``claim_at_start``): all of them or, when it has no room for all, none.
+        Never to the broker: such a message is only worth its hop to an idle process here
+        (one a broker queue kept waiting would find its row claimed by then)."""
+        if self.local is None or not rows or self._needs_celery_path(queue):
+            return False
+        head: tuple[Any, ...] = () if database is None else (database,)
+        messages: Outgoing = [
+            (
+                (*head, row.id, str(row.token)),
+                {
+                    **message_options(family, row, queue, self.name, database),
+                    "kwargs": {CLAIM_AT_START: True},
+                    "kwargsrepr": repr({CLAIM_AT_START: True}),
+                },
+            )
+            for row in rows
+        ]
+        return self.local.take(queue, self.wires(queue, messages), whole=True) == len(rows)
 
     def send(self, queue: str, wires: Sequence[Wire]) -> None:
         """Put messages on the broker: one producer, one pipeline."""
@@ -150,7 +174,7 @@ class Publisher:
                 headers[key] = options[key]
             # a batched family's rows vary in number; their limits come with each message
             headers["timelimit"] = [options.get("time_limit"), options.get("soft_time_limit")]
-            body = json.dumps([list(args), {}, embed])
+            body = json.dumps([list(args), options.get("kwargs", {}), embed])
             out.append(Wire(task_id, body, headers, {**properties0, "correlation_id": task_id}))
         return out
 

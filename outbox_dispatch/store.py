@@ -462,6 +462,27 @@ class Store:
         settled = {int(i) for i in row[11:13] if i is not None}
         return _started(row_id, token, row if row[0] is not None else None), settled
 
+    def claim_start(
+        self, family: Family, row_id: int, token: UUID, run_lease: float
+    ) -> Started | None:
+        """Claim and start a row nobody holds, under ``token``: one statement, one round trip
+        (deliver_claim_begin), which takes the family's claim lock and waits for its flush.
+        Returns the started row; None when it is held, gone, not due, or the family has no
+        room (a NOTIFY then asks the listener for a claim)."""
+        params = {
+            "id": row_id,
+            "token": token,
+            "run_lease": run_lease,
+            "family": family.name,
+            "max_in_flight": family.max_in_flight,
+            "lock_name": f"{self.schema}.claim.{family.name}",
+            "channel": self.channel,
+        }
+        with translated("delivery start"), self._starting() as conn:
+            row = conn.execute(self.q["deliver_claim_begin"], params).fetchone()
+        assert row is not None  # a left join of one row: always one row
+        return _started(row_id, token, row if row[0] is not None else None)
+
     def settle_many(self, kind: SettleKind, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
         """Settle delivered rows (``delete`` or ``done``) handed to the deferred settles;
         returns the ids settled."""

@@ -15,6 +15,7 @@ from celery import Celery, Task
 from celery.exceptions import Ignore, Retry
 from kombu.entity import Queue
 
+from .publisher import CLAIM_AT_START
 from .task_states import AttemptFailed, Parked, Report, TaskState, task_state
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _soft_defaults(app: Celery) -> None:
 
 def register_tasks(
     app: Celery,
-    deliver: Callable[[tuple[Any, ...], str | None], Sequence[Result]],
+    deliver: Callable[[tuple[Any, ...], str | None, bool], Sequence[Result]],
     claim: Callable[[list[str] | None, str | None], object],
 ) -> tuple[Any, Any, Any]:
     """The delivery tasks take raw args so a garbage message reaches our check, not a
@@ -91,9 +92,10 @@ def register_tasks(
         "throws": (Parked,),  # a parked row is logged by us, once, without Celery's traceback
     }
 
-    def run(self: Any, *args: Any, **_kwargs: Any) -> str:
+    def run(self: Any, *args: Any, **kwargs: Any) -> str:
         info = getattr(self.request, "delivery_info", None) or {}
-        return report(self, task_state(deliver(args, info.get("routing_key"))))
+        claim = kwargs.get(CLAIM_AT_START) is True  # the listener's unclaimed hand-off
+        return report(self, task_state(deliver(args, info.get("routing_key"), claim)))
 
     deliver_task = app.task(
         name=DELIVER_TASK, acks_late=True, reject_on_worker_lost=True, **common

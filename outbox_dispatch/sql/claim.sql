@@ -43,6 +43,8 @@ SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
 -- room the pick had (NULL when ids were given); a last row with no id carries it even when
 -- nothing was leased.
 WITH room AS MATERIALIZED (
+    -- the count is outbox_live_claims' (migration 0007), inline: a prepared statement keeps
+    -- its plan, where a function's query is planned on every call
     SELECT greatest(0, least(%(batch)s::int, %(max_in_flight)s::int - (
         SELECT count(*) FROM (
             SELECT 1 FROM __SCHEMA__.outbox
@@ -112,6 +114,8 @@ SELECT (SELECT n FROM room), NULL::bigint, NULL::uuid, NULL::text, NULL::text, N
 -- (four candidates a row of room, at least 100) needs no round trip of its own: the first
 -- column is the room, and a last row with no id carries it even when no row is due.
 WITH room AS MATERIALIZED (
+    -- the count is outbox_live_claims' (migration 0007), inline: a prepared statement keeps
+    -- its plan, where a function's query is planned on every call
     SELECT greatest(0, least(%(batch)s::int, %(max_in_flight)s::int - (
         SELECT count(*) FROM (
             SELECT 1 FROM __SCHEMA__.outbox

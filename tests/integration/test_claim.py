@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -208,6 +209,51 @@ def _claim_plan(store: Store, conn: psycopg.Connection[Any], limit: int) -> str:
     }
     plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + store.q["claim_lease"], params)
     return "\n".join(str(r[0]) for r in plan.fetchall())
+
+
+def test_a_start_that_claims_reads_its_row_and_counts_along_the_claimed_index(
+    database_url: str, big_schema: str
+) -> None:
+    """deliver_claim_begin finds its row by primary key, and the in-flight count it makes
+    through outbox_live_claims (a function: auto_explain shows its nested plan) reads the
+    outbox_claimed index range, not the 400k rows."""
+    store = Store(database_url, big_schema, pool_size=1)
+    nested: list[str] = []
+    try:
+        with store.connection() as conn, conn.transaction():
+            conn.add_notice_handler(lambda d: nested.append(d.message_primary or ""))
+            conn.execute("LOAD 'auto_explain'")
+            for key, value in (
+                ("log_min_duration", "0"),
+                ("log_nested_statements", "on"),
+                ("log_analyze", "on"),
+                ("log_level", "notice"),
+            ):
+                conn.execute(f"SET LOCAL auto_explain.{key} = '{value}'")
+            found = conn.execute(
+                f'SELECT id FROM "{big_schema}".outbox WHERE parked_at IS NULL'
+                " AND due_at <= now() LIMIT 1"
+            ).fetchone()
+            assert found is not None
+            params = {
+                "id": found[0],
+                "token": uuid.uuid4(),
+                "run_lease": 30.0,
+                "family": "intent",
+                "max_in_flight": 10_000,
+                "lock_name": "test.plans",
+                "channel": "test_plans",
+            }
+            rows = conn.execute(
+                "EXPLAIN (ANALYZE) " + store.q["deliver_claim_begin"], params
+            ).fetchall()
+            plan = "\n".join(str(r[0]) for r in rows)
+            raise psycopg.Rollback()  # EXPLAIN ANALYZE claimed the row: undo it
+    finally:
+        store.close()
+    assert "Seq Scan" not in plan and "outbox_pkey" in plan, plan
+    (count,) = [n for n in nested if "outbox_live_claims" not in n and "count(*)" in n]
+    assert "outbox_claimed" in count and "Seq Scan" not in count, count
 
 
 def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema: str) -> None:

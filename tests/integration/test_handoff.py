@@ -9,65 +9,16 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
-import pytest
 
 from outbox_dispatch import Context, Dispatcher, Message
 from outbox_dispatch.handoff import LocalHandoff
 from outbox_dispatch.publisher import Wire
 from tests.conftest import count_rows
-
-
-def _wait_for(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
-def _in_loop(worker: Any, fn: Callable[[], None]) -> None:
-    """Run ``fn`` in the worker's event loop thread, as its consumer's bootsteps run."""
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            fn()
-        finally:
-            done.set()
-
-    worker.consumer.hub.call_soon(run)
-    assert done.wait(10), "the worker's event loop never ran it"
-
-
-@pytest.fixture
-def handoff(dispatcher: Dispatcher, worker: Any) -> Iterator[tuple[LocalHandoff, list[int]]]:
-    """A hand-off attached to the session worker's consumer for one test (the session's
-    dispatcher does not listen, so it has none); ``sent`` counts what went to the broker."""
-    sent: list[int] = []
-
-    def republish(queue: str, wires: Any) -> None:
-        sent.append(len(wires))
-        dispatcher.publisher.send(queue, wires)
-
-    h = LocalHandoff(republish)
-    _in_loop(worker, lambda: h.attach(worker.consumer))
-    send = dispatcher.publisher.send
-
-    def counted(queue: str, wires: Any) -> None:  # observed, not replaced
-        sent.append(len(wires))
-        send(queue, wires)
-
-    dispatcher.publisher.send = counted  # type: ignore[method-assign]
-    dispatcher.publisher.local = h
-    try:
-        yield h, sent
-    finally:
-        dispatcher.publisher.local = None
-        del dispatcher.publisher.send
-        _in_loop(worker, h.detach)
+from tests.integration.conftest import in_loop, wait_for
 
 
 def test_a_claimed_row_goes_straight_to_an_idle_pool_process(
@@ -83,7 +34,7 @@ def test_a_claimed_row_goes_straight_to_an_idle_pool_process(
         row_id = dispatcher.enqueue(conn, cmd, {})
     assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
     assert ran.wait(10), "the row was never delivered"
-    _wait_for(
+    wait_for(
         lambda: count_rows(database_url, dispatcher.schema, f"id = {row_id}") == 0, "not settled"
     )
     assert h.handed == 1
@@ -113,7 +64,7 @@ def test_a_backlog_beyond_the_idle_processes_goes_through_the_broker(
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(12)])
     assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 12}
-    _wait_for(lambda: len(seen) == 12, "rows were never delivered")
+    wait_for(lambda: len(seen) == 12, "rows were never delivered")
     assert sorted(seen) == sorted(ids)  # each once
     prefetch = int(worker.consumer.qos.value)
     assert 1 <= h.handed <= prefetch
@@ -153,11 +104,11 @@ def test_what_the_worker_holds_when_its_consumer_stops_goes_to_the_broker(
         real = h.republish
         h.republish = lambda q, wires: published.append((q, [w.task_id for w in wires]))
         try:
-            _in_loop(worker, h.detach)  # what the consumer step does when the consumer stops
+            in_loop(worker, h.detach)  # what the consumer step does when the consumer stops
         finally:
             h.republish = real
         assert published == [(queue, [wire.task_id])]  # not the one that is running
         assert h.take(queue, [wire]) == 0  # detached: the broker from now on
     finally:
         release.set()
-    _wait_for(lambda: count_rows(database_url, dispatcher.schema, f"id = {held}") == 0, "held")
+    wait_for(lambda: count_rows(database_url, dispatcher.schema, f"id = {held}") == 0, "held")

@@ -107,7 +107,7 @@ QUICK = Backoff(base=UNIT, cap=2 * UNIT, jitter=0.0)  # a retry is scheduled, fo
 
 COMMON: dict[str, Any] = {"backoff": QUICK, "lease": LEASE, "heartbeat_timeout": BEAT}
 SPECS: dict[str, dict[str, Any]] = {
-    PLAIN: {"max_attempts": 3},
+    PLAIN: {"max_attempts": 3, "max_in_flight": 3},  # small: claims and starts meet it
     # delivered rows stay, done, for 20 units (and keep their dedupe keys)
     CAPPED: {"max_attempts": 3, "per_actor": 1, "retention": 20 * UNIT},
     LINED: {"max_attempts": 2, "ordered": True},  # a parked row holds its actor's line
@@ -420,6 +420,25 @@ def check_start(
         )
 
 
+def live_claims(snap: Snapshot, family: str, above: float) -> list[int]:
+    """The family's rows whose claim's lease has more than ``above`` seconds left."""
+    return [
+        r.id
+        for r in snap.rows.values()
+        if r.family == family and r.token is not None and r.left is not None and r.left > above
+    ]
+
+
+def check_in_flight(snap: Snapshot) -> None:
+    """No family has more live claims than its max_in_flight (a lease ending within AMBIG
+    may have been read as ended by the claim that took the next row)."""
+    for name, fam in FAMILIES.items():
+        live = live_claims(snap, name, AMBIG)
+        assert len(live) <= fam.max_in_flight, (
+            f"{name}: rows {live} are in flight, max_in_flight {fam.max_in_flight}"
+        )
+
+
 def run_checks(
     snap: Snapshot,
     *,
@@ -437,6 +456,7 @@ def run_checks(
     check_tokens(snap, stale)
     check_cancels(snap, requested, pruned)
     check_delivered(snap, known, delivered, pruned)
+    check_in_flight(snap)
 
 
 # -- the environment: a dispatcher of our own on the session's schema -------------------------
@@ -891,7 +911,8 @@ class ModelMachine(RuleBasedStateMachine):
         ]
         if fam.per_actor is None:
             missed = [r.id for r in due if r.id not in taken]
-            assert not missed, f"claim of {family} left due rows {missed}"
+            full = len(live_claims(after, family, 0)) >= fam.max_in_flight
+            assert not missed or full, f"claim of {family} left due rows {missed}"
         elif all_lapsed:
             due += [
                 r
@@ -926,6 +947,81 @@ class ModelMachine(RuleBasedStateMachine):
                 self.inbox.append(msg)
             else:
                 self._consume(msg, fate)
+
+    @rule(
+        target=rows,
+        family=st.sampled_from(("focus", "focus", PLAIN)),
+        behavior=st.sampled_from(BEHAVIORS),
+    )
+    def commit_named(self, family: str, behavior: str) -> int:
+        """A producer commits a row due now, its NOTIFY names it, and the listener hands it
+        over unclaimed at once (see claim_at_start)."""
+        rid = self._enqueue(self.focus if family == "focus" else family, None, 0, None)
+        self.claim_at_start(rid, behavior)
+        return rid
+
+    @rule(rid=rows, behavior=st.sampled_from(BEHAVIORS))
+    def claim_at_start(self, rid: int, behavior: str) -> None:
+        """A commit's NOTIFY named the row and the listener handed it, unclaimed, to an idle
+        process, whose start claims it (deliver_claim_begin): a row no one holds, due, of a
+        family with no caps and no order, with room in flight, runs as a new attempt; any
+        other is left exactly as it was. The message may come at any time (a copy the
+        broker got back at a shutdown comes late)."""
+        before = self.snap()
+        b = before.rows.get(rid)
+        family = self.focus if b is None else b.family
+        fam = FAMILIES[family]
+        start = self.predict_claim_at_start(before, b)
+        msg = Msg(rid, uuid.uuid4(), family, None if b is None else b.actor)
+        self.current, self.behavior, self.resuming = msg, behavior, False
+        n_calls = len(self.calls)
+        crashed = False
+        outcome: Outcome | None = None
+        try:
+            outcome = self.d.delivery.deliver(
+                rid, msg.token, family_hint=family, claim=True
+            ).outcome
+        except WorkerDied:
+            crashed = True
+        except Violation as v:
+            raise v.error from None
+        finally:
+            self.current = None
+        after = self.snap()
+        calls = self.calls[n_calls:]
+        if outcome is Outcome.STALE:
+            assert start in ("stale", None), f"{msg}: not claimed at its start, predicted {start}"
+            assert not calls and after.rows.get(rid) == b, (
+                f"{msg}: refused, yet changed its row:\n{b}\n{after.rows.get(rid)}"
+            )
+            self.stale.add((rid, msg.token))
+            return
+        assert start in ("start", None), f"{msg}: claimed at its start, predicted {start}"
+        assert b is not None and not fam.ordered and fam.per_actor is None, b
+        self.stale |= {(rid, t) for t in self.tokens[rid]}
+        self.tokens[rid].add(msg.token)
+        # judged as a delivery of the row as a claim would have left it
+        claimed = replace(b, attempts=b.attempts + 1, token=msg.token, claimed=True)
+        as_claimed = replace(before, rows={**before.rows, rid: claimed})
+        self._judge(msg, behavior, "start", as_claimed, after, calls, outcome, crashed)
+        self.spent.append(msg)
+
+    def predict_claim_at_start(self, snap: Snapshot, b: Row | None) -> str | None:
+        """ "start", "stale", or None (a lease or due time too close to call)."""
+        if b is None:
+            return "stale"
+        fam = FAMILIES[b.family]
+        if fam.ordered or fam.per_actor is not None or b.token is not None or not b.live:
+            return "stale"
+        if b.blocked or b.waiting or b.left is None or b.left > AMBIG:
+            return "stale"
+        sure = len(live_claims(snap, b.family, AMBIG))
+        maybe = len(live_claims(snap, b.family, 0))
+        if sure >= fam.max_in_flight:
+            return "stale"
+        if b.left > 0 or maybe >= fam.max_in_flight:
+            return None
+        return "start"
 
     def _consume(self, msg: Msg, fate: str) -> None:
         if fate in BEHAVIORS:

@@ -1,0 +1,238 @@
+"""A start that claims (listener.py, deliver_claim_begin), against the real Postgres and the
+session's in-process worker: a commit's NOTIFY names its transaction's first row due now, the
+worker's listener hands that row unclaimed to an idle pool process, and the process claims
+and starts it in one statement. The claim's rules hold there too: the family's in-flight
+limit, a row someone else holds, a row not due, capped families."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_dispatch import Context, Dispatcher
+from outbox_dispatch.handoff import LocalHandoff
+from outbox_dispatch.listener import CommitListener
+from outbox_dispatch.publisher import CLAIM_AT_START, Wire
+from outbox_dispatch.rows import Claimed
+from outbox_dispatch.settle import Outcome
+from tests.conftest import count_rows
+from tests.integration.conftest import wait_for
+
+
+@pytest.fixture
+def named_listener(
+    dispatcher: Dispatcher, handoff: tuple[LocalHandoff, list[int]]
+) -> Iterator[CommitListener]:
+    """The dispatcher's commit listener, in this process (the session worker's), with no
+    sweep: a row it does not hand over is claimed only when a NOTIFY asks."""
+    listener = dispatcher.commit_listener()
+    listener.sweep = None
+    listener.start()
+    try:
+        wait_for(listener.leading.is_set, "the listener never took the lead")
+        yield listener
+    finally:
+        listener.stop()
+
+
+def _notified(conn: psycopg.Connection[Any], count: int) -> list[str]:
+    got = [n.payload for n in conn.notifies(timeout=2, stop_after=count)]
+    got += [n.payload for n in conn.notifies(timeout=0.2)]  # nothing more came
+    return got
+
+
+def test_a_commits_notify_names_its_first_row_due_now_and_only_that(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    quick, plain = commands(family="quick"), commands(family="plain")
+    with psycopg.connect(database_url, autocommit=True) as listen:
+        listen.execute(f'LISTEN "{dispatcher.store.channel}"')
+        with psycopg.connect(database_url) as conn:
+            with conn.transaction():
+                lone = dispatcher.enqueue(conn, quick, {}, actor="ann")
+            assert _notified(listen, 1) == [json.dumps(["quick", lone, quick, "ann"])]
+
+            with conn.transaction():  # a bulk insert: one named row, then its family's name
+                first = dispatcher.enqueue(conn, quick, {})
+                dispatcher.enqueue(conn, quick, {})
+                dispatcher.enqueue(conn, quick, {})
+                dispatcher.enqueue(conn, plain, {})
+            named = json.dumps(["quick", first, quick, None])
+            assert _notified(listen, 3) == [named, "quick", "plain"]
+
+            with conn.transaction():  # a row not due and a rolled-back one name nothing
+                dispatcher.enqueue(conn, quick, {}, delay=timedelta(seconds=60))
+                with pytest.raises(RuntimeError), conn.transaction():
+                    dispatcher.enqueue(conn, quick, {})
+                    raise RuntimeError("rolled back")
+                kept = dispatcher.enqueue(conn, quick, {})
+            assert _notified(listen, 1) == [json.dumps(["quick", kept, quick, None])]
+
+            with conn.transaction():  # a payload that would be long names the family only
+                dispatcher.enqueue(conn, quick, {}, actor="é" * 510)  # 1,020 bytes
+            assert _notified(listen, 1) == ["quick"]
+
+
+def test_a_lone_commits_row_is_claimed_and_started_in_one_statement_by_an_idle_process(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    named_listener: CommitListener,
+    database_url: str,
+) -> None:
+    h, sent = handoff
+    seen: list[tuple[Any, ...]] = []
+    ran = threading.Event()
+
+    def look(ctx: Context, payload: Any) -> None:
+        with psycopg.connect(database_url) as c:
+            row = c.execute(
+                f'SELECT claimed_at = started_at, attempts, claim_token IS NOT NULL FROM "{dispatcher.schema}".outbox WHERE id = %s',  # noqa: E501
+                (ctx.row_id,),
+            ).fetchone()
+        seen.append((ctx.attempt, ctx.maybe_applied, row))
+        ran.set()
+
+    cmd = commands(family="quick", fn=look)
+    handed = h.handed
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        row_id = dispatcher.enqueue(conn, cmd, {})
+    assert ran.wait(10), "the row was never delivered"
+    # claimed and started by the same statement: one transaction's now()
+    assert seen == [(1, False, (True, 1, True))]
+    wait_for(lambda: count_rows(database_url, dispatcher.schema, f"id = {row_id}") == 0, "kept")
+    assert h.handed == handed + 1
+    assert sent == []  # nothing went through the broker
+
+
+def test_a_start_that_claims_keeps_the_familys_in_flight_limit(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    named_listener: CommitListener,
+    database_url: str,
+) -> None:
+    """With max_in_flight=1 and a row running, the next commit's row is handed over, finds
+    no room, and stays unclaimed; its start's NOTIFY makes the listener claim the family,
+    which waits for room and then runs it, once."""
+    family = dispatcher.families["quick"]
+    dispatcher.families["quick"] = replace(family, max_in_flight=1)
+    release = threading.Event()
+    spans: dict[int, list[float]] = {}
+    first: list[int] = []
+
+    def run(ctx: Context, payload: Any) -> None:
+        spans.setdefault(ctx.row_id, []).append(time.monotonic())
+        if ctx.row_id in first:
+            assert release.wait(10)
+        spans[ctx.row_id].append(time.monotonic())
+
+    try:
+        cmd = commands(family="quick", fn=run)
+        with psycopg.connect(database_url) as conn:
+            with conn.transaction():
+                first.append(dispatcher.enqueue(conn, cmd, {}))
+            wait_for(lambda: first[0] in spans, "the first row never started")
+            handed = handoff[0].handed
+            with conn.transaction():
+                second = dispatcher.enqueue(conn, cmd, {})
+        wait_for(lambda: handoff[0].handed > handed, "the second row was never handed over")
+        time.sleep(0.5)
+        assert second not in spans, "the second row started while the first held the room"
+        assert count_rows(database_url, dispatcher.schema, f"id = {second} AND claim_token IS NULL")
+        release.set()
+        wait_for(lambda: len(spans.get(second, [])) == 2, "the second row never ran")
+        assert spans[second][0] >= spans[first[0]][1]
+        assert len(spans[first[0]]) == 2 and len(spans[second]) == 2  # each ran once
+    finally:
+        release.set()
+        dispatcher.families["quick"] = family
+
+
+def test_a_named_row_that_a_claim_holds_is_not_started_and_nothing_changes(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """The claim a hand-over races (beat's, a sweep) took the row first; a row not due yet;
+    a capped family's row (its start could not take a cap slot): the start refuses and
+    leaves the row as it was."""
+    ran: list[int] = []
+    quick = commands(family="quick", fn=lambda ctx, p: ran.append(ctx.row_id))
+    capped = commands(family="cappedbatch", fn=lambda ctx, p: ran.append(ctx.row_id))
+    delivery = dispatcher.database().delivery
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        held = dispatcher.enqueue(conn, quick, {})
+        later = dispatcher.enqueue(conn, quick, {}, delay=timedelta(seconds=60))
+        capped_id = dispatcher.enqueue(conn, capped, {}, actor="ann")
+    claimed = dispatcher.database().claimer.claim_family(dispatcher.families["quick"])
+    assert [c.id for c in claimed.claimed] == [held]
+
+    def state(row_id: int) -> Any:
+        with psycopg.connect(database_url) as c:
+            return c.execute(
+                f'SELECT claim_token, attempts, started_at, due_at FROM "{dispatcher.schema}".outbox WHERE id = %s',  # noqa: E501
+                (row_id,),
+            ).fetchone()
+
+    for row_id, family in ((held, "quick"), (later, "quick"), (capped_id, "cappedbatch")):
+        before = state(row_id)
+        result = delivery.deliver(row_id, uuid.uuid4(), family_hint=family, claim=True)
+        assert result.outcome is Outcome.STALE, (row_id, result)
+        assert state(row_id) == before
+    assert ran == []
+    # the claim's own message still starts its row
+    token = claimed.claimed[0].token
+    assert delivery.deliver(held, token, family_hint="quick").outcome is Outcome.DELIVERED
+    assert ran == [held]
+
+
+def test_the_worker_takes_named_rows_only_when_it_has_room_for_all_of_them(
+    dispatcher: Dispatcher, handoff: tuple[LocalHandoff, list[int]], worker: Any
+) -> None:
+    """Rows named but not handed over are claimed instead (their messages never reach the
+    broker unclaimed), so the hand-over is all or nothing."""
+    h, sent = handoff
+    room = int(worker.consumer.qos.value)
+    family = dispatcher.families["quick"]
+    rows = [Claimed(10**9 + i, uuid.uuid4(), "t.none", None, 1) for i in range(room + 1)]
+    queue = dispatcher.queue_name("quick")
+    handed = h.handed
+    assert not dispatcher.publisher.hand_unclaimed(family, rows, queue)
+    assert h.handed == handed and sent == []
+
+
+def test_a_named_rows_message_is_the_one_row_message_with_its_start_told_to_claim(
+    dispatcher: Dispatcher,
+) -> None:
+    """What Flower shows is the one-row message's (family:command, row, actor, attempt),
+    with the kwarg that tells its start to claim."""
+    taken: list[Wire] = []
+
+    class Sink:
+        def take(self, queue: str, wires: Any, *, whole: bool = False) -> int:
+            assert whole
+            taken.extend(wires)
+            return len(wires)
+
+    row = Claimed(7, uuid.uuid4(), "t.shown", "ann", 1)
+    dispatcher.publisher.local = Sink()
+    try:
+        assert dispatcher.publisher.hand_unclaimed(
+            dispatcher.families["quick"], [row], dispatcher.queue_name("quick")
+        )
+    finally:
+        dispatcher.publisher.local = None
+    (wire,) = taken
+    args, kwargs, _embed = json.loads(wire.body)
+    assert args == [7, str(row.token)] and kwargs == {CLAIM_AT_START: True}
+    assert wire.headers["shadow"] == "quick:t.shown"
+    assert wire.headers["argsrepr"] == "(row=7, actor='ann', attempt=1)"
+    assert wire.headers["kwargsrepr"] == "{'claim_at_start': True}"
