@@ -183,19 +183,23 @@ class LocalHandoff:
 
     # -- the claimer's side (any thread of this process) ------------------------------------
 
-    def take(self, queue: str, wires: Sequence[Wire], *, whole: bool = False) -> int:
-        """Keep the first of ``wires`` this worker has room for (``whole``: all of them or
-        none); returns how many. Room: what it would prefetch from the broker (its pool
-        processes times the prefetch multiplier, one by default), less the requests it
-        already holds, so that a handed-off message never waits here while another worker
-        could run it."""
+    def take(self, queue: str, wires: Sequence[Wire], *, idle: bool = False) -> int:
+        """Keep the first of ``wires`` this worker has room for; returns how many. Room: what
+        it would prefetch from the broker (its pool processes times the prefetch multiplier,
+        one by default), less the requests it already holds, so that a handed-off message
+        never waits here while another worker could run it. ``idle``: all of them, and only
+        while this worker holds no request at all, or none (rows handed over unclaimed: under
+        load the next commit's claim would take them first, and their hop is wasted)."""
         if self._pid != os.getpid():  # a forked pool process (a claim task): never attached here
             return 0
         with self._lock:
             if self._wake is None or queue not in self._consumed():
                 return 0
-            room = self._prefetch() - _reserved() - len(self._pending)
-            taken = list(wires[: max(0, room)]) if room >= len(wires) or not whole else []
+            held = _reserved() + len(self._pending)
+            room = self._prefetch() - held
+            if idle and (held or room < len(wires)):
+                return 0
+            taken = list(wires[: max(0, room)])
             if not taken:
                 return 0
             self._pending.extend((queue, w) for w in taken)

@@ -15,9 +15,10 @@ task to a pool process every second for that, then runs only as the safety net (
 
 A commit's NOTIFY that names its row (the transaction's first row due now, enqueue.sql) is
 handed, unclaimed, to an idle pool process of this worker when its family lets a start claim
-alone (no caps, no order) and the worker has room for every row named: that process claims
-and starts the row in one statement (deliver_claim_begin). The hop to the process comes
-first and one round trip follows it, where a claim, the hop and a start came one after
+alone (no caps, no order) and the worker runs nothing and has room for every row named
+(under load the next commit's claim would take a handed row before its start): that process
+claims and starts the row in one statement (deliver_claim_begin). The hop to the process
+comes first and one round trip follows it, where a claim, the hop and a start came one after
 another. Any other wake is a claim, as before.
 
 A family whose claim stopped at its in-flight limit (or a full queue) is claimed again every

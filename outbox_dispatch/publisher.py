@@ -53,7 +53,7 @@ class LocalSink(Protocol):
     """Where a claim's messages may go instead of the broker (handoff.py): ``take`` keeps the
     first messages it has room for and says how many."""
 
-    def take(self, queue: str, wires: Sequence[Wire], *, whole: bool = False) -> int: ...
+    def take(self, queue: str, wires: Sequence[Wire], *, idle: bool = False) -> int: ...
 
 
 class Publisher:
@@ -106,8 +106,8 @@ class Publisher:
         self, family: Family, rows: Sequence[Claimed], queue: str, database: str | None = None
     ) -> bool:
         """Give this worker's consumer one-row messages of rows not claimed yet, which their
-        starts claim (``claim_at_start``): all of them or, when it has no room for all, none.
-        Never to the broker: such a message is only worth its hop to an idle process here
+        starts claim (``claim_at_start``): all of them while it is idle, or none. Never to the
+        broker: such a message is only worth its hop to an idle process here
         (one a broker queue kept waiting would find its row claimed by then)."""
         if self.local is None or not rows or self._needs_celery_path(queue):
             return False
@@ -123,7 +123,7 @@ class Publisher:
             )
             for row in rows
         ]
-        return self.local.take(queue, self.wires(queue, messages), whole=True) == len(rows)
+        return self.local.take(queue, self.wires(queue, messages), idle=True) == len(rows)
 
     def send(self, queue: str, wires: Sequence[Wire]) -> None:
         """Put messages on the broker: one producer, one pipeline."""

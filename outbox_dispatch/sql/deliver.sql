@@ -58,8 +58,9 @@ FROM (SELECT set_config('synchronous_commit',
 -- count. It commits as a claim does, waiting for its WAL flush: a start lost in a crash is
 -- lost with its claim, and the row is as it was. Only a row no one holds (no token) and that
 -- is due: a lapsed claim's row is the claim's to judge (a lost attempt). A row it does not
--- start is left as it is, and a NOTIFY of its family asks the listener for a claim at once
--- (the room frees later, or a claim won the race and there is nothing left to do).
+-- start is left as it is; when it is still there for a claim to take (no room in flight),
+-- a NOTIFY of its family asks the listener for one at once. A row a claim took first asks
+-- nothing: its claim's message delivers it.
 WITH locked AS MATERIALIZED (
     SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
            set_config('enable_bitmapscan', 'off', true),
@@ -87,7 +88,13 @@ WITH locked AS MATERIALIZED (
 SELECT s.family, s.command, s.actor, s.payload, s.attempts, s.maybe_applied, s.dedupe_key,
     s.cancel_requested, s.waited, s.trace_context, s.claim_age
 FROM (SELECT count(*) FROM locked) AS one LEFT JOIN started s ON true
-LEFT JOIN LATERAL (SELECT pg_notify(%(channel)s, %(family)s) WHERE s.family IS NULL) w ON true;
+LEFT JOIN LATERAL (
+    SELECT pg_notify(%(channel)s, %(family)s)
+    WHERE s.family IS NULL AND EXISTS (
+        SELECT 1 FROM __SCHEMA__.outbox o
+        WHERE o.id = %(id)s AND o.claim_token IS NULL AND o.due_at <= now()
+          AND o.parked_at IS NULL AND o.cancelled_at IS NULL AND o.done_at IS NULL)
+) w ON true;
 
 -- name: deliver_explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,

@@ -121,27 +121,28 @@ def test_a_start_that_claims_keeps_the_familys_in_flight_limit(
     named_listener: CommitListener,
     database_url: str,
 ) -> None:
-    """With max_in_flight=1 and a row running, the next commit's row is handed over, finds
-    no room, and stays unclaimed; its start's NOTIFY makes the listener claim the family,
-    which waits for room and then runs it, once."""
+    """With max_in_flight=1 and a row claimed elsewhere (another worker's), the next
+    commit's row is handed over, finds no room, and stays unclaimed; its start's NOTIFY makes
+    the listener claim the family, which waits for room and then runs it, once."""
     family = dispatcher.families["quick"]
     dispatcher.families["quick"] = replace(family, max_in_flight=1)
-    release = threading.Event()
     spans: dict[int, list[float]] = {}
-    first: list[int] = []
 
     def run(ctx: Context, payload: Any) -> None:
         spans.setdefault(ctx.row_id, []).append(time.monotonic())
-        if ctx.row_id in first:
-            assert release.wait(10)
-        spans[ctx.row_id].append(time.monotonic())
 
     try:
         cmd = commands(family="quick", fn=run)
         with psycopg.connect(database_url) as conn:
             with conn.transaction():
-                first.append(dispatcher.enqueue(conn, cmd, {}))
-            wait_for(lambda: first[0] in spans, "the first row never started")
+                first = dispatcher.enqueue(conn, cmd, {}, delay=timedelta(seconds=60))
+            with conn.transaction():  # due now, without a NOTIFY: another worker claims it
+                conn.execute(
+                    f'UPDATE "{dispatcher.schema}".outbox SET due_at = now() WHERE id = %s',
+                    (first,),
+                )
+            elsewhere = dispatcher.database().claimer.claim_family(dispatcher.families["quick"])
+            assert [c.id for c in elsewhere.claimed] == [first]
             handed = handoff[0].handed
             with conn.transaction():
                 second = dispatcher.enqueue(conn, cmd, {})
@@ -149,12 +150,15 @@ def test_a_start_that_claims_keeps_the_familys_in_flight_limit(
         time.sleep(0.5)
         assert second not in spans, "the second row started while the first held the room"
         assert count_rows(database_url, dispatcher.schema, f"id = {second} AND claim_token IS NULL")
-        release.set()
-        wait_for(lambda: len(spans.get(second, [])) == 2, "the second row never ran")
-        assert spans[second][0] >= spans[first[0]][1]
-        assert len(spans[first[0]]) == 2 and len(spans[second]) == 2  # each ran once
+        token = elsewhere.claimed[0].token
+        delivery = dispatcher.database().delivery
+        assert delivery.deliver(first, token, family_hint="quick").outcome is Outcome.DELIVERED
+        ended = time.monotonic()
+        wait_for(lambda: second in spans, "the second row never ran")
+        assert spans[second][0] >= ended
+        time.sleep(0.2)
+        assert len(spans[first]) == 1 and len(spans[second]) == 1  # each ran once
     finally:
-        release.set()
         dispatcher.families["quick"] = family
 
 
@@ -194,19 +198,45 @@ def test_a_named_row_that_a_claim_holds_is_not_started_and_nothing_changes(
     assert ran == [held]
 
 
-def test_the_worker_takes_named_rows_only_when_it_has_room_for_all_of_them(
-    dispatcher: Dispatcher, handoff: tuple[LocalHandoff, list[int]], worker: Any
+def test_the_worker_takes_named_rows_only_while_idle_and_with_room_for_all_of_them(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
 ) -> None:
     """Rows named but not handed over are claimed instead (their messages never reach the
-    broker unclaimed), so the hand-over is all or nothing."""
+    broker unclaimed): more rows than the worker has room for, or any row while it runs
+    something (under load the next commit's claim would take the row before its start)."""
     h, sent = handoff
     room = int(worker.consumer.qos.value)
     family = dispatcher.families["quick"]
-    rows = [Claimed(10**9 + i, uuid.uuid4(), "t.none", None, 1) for i in range(room + 1)]
     queue = dispatcher.queue_name("quick")
+
+    def named(n: int) -> list[Claimed]:
+        return [Claimed(10**9 + i, uuid.uuid4(), "t.none", None, 1) for i in range(n)]
+
     handed = h.handed
-    assert not dispatcher.publisher.hand_unclaimed(family, rows, queue)
+    assert not dispatcher.publisher.hand_unclaimed(family, named(room + 1), queue)
     assert h.handed == handed and sent == []
+
+    running, release = threading.Event(), threading.Event()
+
+    def hold(ctx: Context, payload: Any) -> None:
+        running.set()
+        release.wait(10)
+
+    cmd = commands(family="quick", fn=hold)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        dispatcher.enqueue(conn, cmd, {})
+    try:
+        assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
+        assert running.wait(10), "the claimed row never ran"
+        handed = h.handed
+        assert not dispatcher.publisher.hand_unclaimed(family, named(1), queue)
+        assert h.handed == handed
+    finally:
+        release.set()
 
 
 def test_a_named_rows_message_is_the_one_row_message_with_its_start_told_to_claim(
@@ -217,8 +247,8 @@ def test_a_named_rows_message_is_the_one_row_message_with_its_start_told_to_clai
     taken: list[Wire] = []
 
     class Sink:
-        def take(self, queue: str, wires: Any, *, whole: bool = False) -> int:
-            assert whole
+        def take(self, queue: str, wires: Any, *, idle: bool = False) -> int:
+            assert idle
             taken.extend(wires)
             return len(wires)
 

@@ -973,22 +973,8 @@ class ModelMachine(RuleBasedStateMachine):
         fam = FAMILIES[family]
         start = self.predict_claim_at_start(before, b)
         msg = Msg(rid, uuid.uuid4(), family, None if b is None else b.actor)
-        self.current, self.behavior, self.resuming = msg, behavior, False
-        n_calls = len(self.calls)
-        crashed = False
-        outcome: Outcome | None = None
-        try:
-            outcome = self.d.delivery.deliver(
-                rid, msg.token, family_hint=family, claim=True
-            ).outcome
-        except WorkerDied:
-            crashed = True
-        except Violation as v:
-            raise v.error from None
-        finally:
-            self.current = None
+        outcome, crashed, calls = self._run_delivery(msg, behavior, claim=True)
         after = self.snap()
-        calls = self.calls[n_calls:]
         if outcome is Outcome.STALE:
             assert start in ("stale", None), f"{msg}: not claimed at its start, predicted {start}"
             assert not calls and after.rows.get(rid) == b, (
@@ -1036,22 +1022,26 @@ class ModelMachine(RuleBasedStateMachine):
         """deliver() of a message, its outcome predicted from the state just before."""
         before = self.snap()
         start = self.predict_start(before, msg)
+        outcome, crashed, calls = self._run_delivery(msg, behavior)
+        self._judge(msg, behavior, start, before, self.snap(), calls, outcome, crashed)
+        return outcome
+
+    def _run_delivery(
+        self, msg: Msg, behavior: str, *, claim: bool = False
+    ) -> tuple[Outcome | None, bool, list[Call]]:
+        """deliver() of a message whose handler behaves as told: its outcome (None when the
+        worker died in the handler), whether it died, and the handler calls it made."""
         self.current, self.behavior, self.resuming = msg, behavior, False
         n_calls = len(self.calls)
-        crashed = False
-        outcome: Outcome | None = None
         try:
-            outcome = self.d.delivery.deliver(msg.id, msg.token, family_hint=msg.family).outcome
+            result = self.d.delivery.deliver(msg.id, msg.token, family_hint=msg.family, claim=claim)
         except WorkerDied:
-            crashed = True
+            return None, True, self.calls[n_calls:]
         except Violation as v:
             raise v.error from None
         finally:
             self.current = None
-        self._judge(
-            msg, behavior, start, before, self.snap(), self.calls[n_calls:], outcome, crashed
-        )
-        return outcome
+        return result.outcome, False, self.calls[n_calls:]
 
     def _judge(
         self,
