@@ -38,7 +38,8 @@ def env(acc_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
             f'CREATE TABLE "{schema}".runs (row_id bigint, kind text, attempt int,'
-            " maybe_applied bool, pid int, at timestamptz DEFAULT clock_timestamp())"
+            " maybe_applied bool, pid int, one bool,"  # one: claimed and started by one statement
+            " at timestamptz DEFAULT clock_timestamp())"
         )
     yield e
     with psycopg.connect(url, autocommit=True) as conn:
@@ -136,3 +137,39 @@ def test_a_handler_that_kills_its_process_every_time_ends_parked_and_the_worker_
     assert log().count("exited with 'signal 9 (SIGKILL)'") == MAX_ATTEMPTS
     assert "row parked at claim: its last attempt ended without an outcome" in log()
     assert f"row_id={doomed}" in log()
+
+
+def test_a_lone_commits_row_claimed_by_its_start_whose_process_dies_runs_again_maybe_applied(
+    env: dict[str, str], spawn: Callable[..., Popen[bytes]]
+) -> None:
+    """A start that claims, in real processes: with the worker idle, a lone commit's row is
+    claimed and started by one statement in a pool process, which is then killed with -9. The
+    attempt is lost, not forgotten: the row runs again after its lease, flagged maybe_applied,
+    and ends parked once its attempts are spent, each attempt run once."""
+    worker = spawn(
+        [*CELERY, "worker", "-P", "prefork", "-c", "2", "-n", "lone@%h", "--loglevel", "INFO"],
+        env,
+        "worker",
+    )
+    (warm,) = _enqueue(env, [Message("fault.ok", {})])  # the worker is up and idle after it
+
+    def ran(row_id: int) -> bool:
+        return bool(_query(env, "SELECT 1 FROM S.runs WHERE row_id = %s", row_id))
+
+    _wait(lambda: ran(warm), 60, "the first row to run", worker)
+    time.sleep(1.0)  # its settle and acknowledgement: the worker holds no request
+    (doomed,) = _enqueue(env, [Message("fault.suicide", {})])
+    _wait(
+        lambda: bool(
+            _query(env, "SELECT 1 FROM S.outbox WHERE id = %s AND parked_at IS NOT NULL", doomed)
+        ),
+        90,
+        "the self-killing row to be parked",
+        worker,
+    )
+    starts = _query(
+        env, "SELECT attempt, maybe_applied, one FROM S.runs WHERE row_id = %s ORDER BY at", doomed
+    )
+    # the first attempt was claimed by its own start; the later ones by the claim that found
+    # the dead attempt's lease run out
+    assert starts == [(1, False, True)] + [(n, True, False) for n in range(2, MAX_ATTEMPTS + 1)]
