@@ -600,6 +600,7 @@ class Dispatcher:
         starts claim them (listener.py). Returns the families left to a claim: unknown here,
         capped or ordered, or more rows than this worker has room for."""
         db = self.database(database)
+        shown = None if db.primary else db.name  # the name the messages carry
         left: set[str] = set()
         for name, rows in named.items():
             family = self.families.get(name)
@@ -608,7 +609,6 @@ class Dispatcher:
                 continue
             unclaimed = [Claimed(r.id, uuid.uuid4(), r.command, r.actor, 1) for r in rows]
             queue = self.queue_name(name)
-            shown = None if db.primary else db.name
             if not self.publisher.hand_unclaimed(family, unclaimed, queue, shown):
                 left.add(name)
         return left

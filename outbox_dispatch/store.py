@@ -294,10 +294,14 @@ class Store:
         conn.execute(
             self.q["claim_lock_family"],
             {
-                "lock_name": f"{self.schema}.claim.{family.name}",
+                "lock_name": self._claim_lock(family),
                 "flushed_starts": self.starts_flushed(family),
             },
         )
+
+    def _claim_lock(self, family: Family) -> str:
+        """The family's claim lock: claims and starts that claim serialize on it."""
+        return f"{self.schema}.claim.{family.name}"
 
     def starts_flushed(self, family: Family | None) -> bool:
         """Whether this family's delivery starts wait for their WAL flush (policy.py)."""
@@ -475,7 +479,7 @@ class Store:
             "run_lease": run_lease,
             "family": family.name,
             "max_in_flight": family.max_in_flight,
-            "lock_name": f"{self.schema}.claim.{family.name}",
+            "lock_name": self._claim_lock(family),
             "channel": self.channel,
         }
         with translated("delivery start"), self._starting() as conn:
