@@ -15,6 +15,7 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import PoolTimeout
@@ -38,7 +39,34 @@ from .settle import BATCH_QUERY, QUERY, SettleKind, leaves_line
 from .sqlfiles import queries_for
 from .validation import PreparedRow
 
+IDLE = TransactionStatus.IDLE
+
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def pipelined_transaction(conn: Conn) -> Iterator[None]:
+    """A transaction in one pipeline, ``BEGIN`` and ``COMMIT`` sent as its statements: one
+    round trip where nothing in the block fetches. psycopg's own transaction block syncs the
+    pipeline at its end, a second round trip (a claim of one row took 1.36 ms that way
+    against 1.15 ms, two trivial statements 0.52 against 0.30 ms). The connection is in
+    autocommit (pool.py); ``BEGIN`` names its isolation level, as psycopg's would (a claim
+    must read committed, whatever the server's default); a block that fails is rolled back, so
+    the pool gets it back idle."""
+    level = conn.isolation_level
+    begin = "BEGIN" if level is None else f"BEGIN ISOLATION LEVEL {level.name.replace('_', ' ')}"
+    done = False
+    try:
+        with conn.pipeline() as pipeline:
+            conn.execute(begin)
+            yield
+            conn.execute("COMMIT")
+            pipeline.sync()
+        done = True
+    finally:
+        if not done and not conn.closed and conn.info.transaction_status != IDLE:
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
 
 
 @contextmanager
@@ -257,12 +285,11 @@ class Store:
         with (
             translated(f"claim of family {family.name}"),
             self._starting() as conn,
-            conn.pipeline(),
         ):
-            with conn.transaction():
+            with pipelined_transaction(conn):
                 self._lock_family(conn, family)
                 leased = self._lease(conn, family, None, [], batch)
-            rows = leased.fetchall()  # after the commit was queued: one round trip for all
+            rows = leased.fetchall()
         limit = int(rows[0][0]) if rows and rows[0][0] is not None else 0
         return _claim_result(family.name, [r[1:] for r in rows if r[1] is not None], limit)
 
@@ -328,9 +355,8 @@ class Store:
         with (
             translated(f"claim of family {family.name}"),
             self._starting() as conn,
-            conn.pipeline(),
         ):
-            with conn.transaction():
+            with pipelined_transaction(conn):
                 conn.execute(self.q["caps_lock_shared"], {"lock_name": f"{self.schema}.caps"})
                 picked = (
                     conn.execute(
@@ -378,7 +404,6 @@ class Store:
                 answered = set(ids) | held  # leased, or refused a slot
                 if no_room := [c.id for c in waiting if c.id not in answered]:
                     conn.execute(self.q["claim_promote"], {"ids": no_room})
-            # after the commit was queued: the second round trip
             rows = [r[1:] for r in leased.fetchall() if r[1] is not None] if leased else []
         result = _claim_result(family.name, rows, limit)
         return replace(result, waiting=len(wait))
@@ -493,8 +518,8 @@ class Store:
         if not pairs:
             return set()
         params = {"ids": [i for i, _ in pairs], "tokens": [t for _, t in pairs]}
-        with translated(f"settle ({kind})"), self.connection() as conn, conn.pipeline():
-            with conn.transaction():  # one round trip: begin, no flush, settle, commit
+        with translated(f"settle ({kind})"), self.connection() as conn:
+            with pipelined_transaction(conn):  # one round trip: no flush, settle, commit
                 conn.execute(self.q["settle_without_flush"])
                 cur = conn.execute(self.q[BATCH_QUERY[kind]], params)
             rows = cur.fetchall()

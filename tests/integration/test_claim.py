@@ -10,13 +10,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.pq import TransactionStatus
 
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.claimer import Claimer, ClaimReport
 from outbox_dispatch.migrations import migrate
 from outbox_dispatch.rows import Claimed
 from outbox_dispatch.settle import SettleKind
-from outbox_dispatch.store import Store
+from outbox_dispatch.store import Store, pipelined_transaction
 from tests.conftest import count_rows
 
 
@@ -390,3 +391,30 @@ def _wait_for_lock_wait(database_url: str) -> None:
                 return
             threading.Event().wait(0.025)
     raise AssertionError("the claim never waited for the family lock")
+
+
+def test_a_pipelined_transaction_that_fails_keeps_nothing_and_gives_its_connection_back_idle(
+    database_url: str, schema: str
+) -> None:
+    """Claims and settles send BEGIN and COMMIT as statements of their pipeline (one round
+    trip): a failure inside, in SQL or in Python, must roll back what the block wrote and
+    leave the connection idle for the pool."""
+    table = f'"{schema}".pipelined_probe'
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (x int)")
+        try:
+            with pytest.raises(psycopg.errors.DivisionByZero), pipelined_transaction(conn):
+                conn.execute(f"INSERT INTO {table} VALUES (1)")
+                conn.execute("SELECT 1 / 0")
+            assert conn.info.transaction_status == TransactionStatus.IDLE
+            with pytest.raises(RuntimeError), pipelined_transaction(conn):
+                conn.execute(f"INSERT INTO {table} VALUES (2)")
+                raise RuntimeError("the block failed after its statements were queued")
+            assert conn.info.transaction_status == TransactionStatus.IDLE
+            with pipelined_transaction(conn):
+                cur = conn.execute(f"INSERT INTO {table} VALUES (3) RETURNING x")
+            assert cur.fetchall() == [(3,)]
+            assert conn.info.transaction_status == TransactionStatus.IDLE
+            assert conn.execute(f"SELECT x FROM {table}").fetchall() == [(3,)]
+        finally:
+            conn.execute(f"DROP TABLE {table}")
