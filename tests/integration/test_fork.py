@@ -10,7 +10,7 @@ import os
 import threading
 import time
 
-from outbox_dispatch import Dispatcher
+from outbox_dispatch import Dispatcher, metrics
 from outbox_dispatch.handoff import LocalHandoff
 from outbox_dispatch.health import Breaker
 from outbox_dispatch.publisher import Wire
@@ -59,11 +59,20 @@ def test_a_child_forked_while_a_thread_holds_the_pools_lock_still_connects(
 
 
 def _child_starts_as_a_pool_process(
-    d: Dispatcher, ready: multiprocessing.synchronize.Event
+    d: Dispatcher,
+    ready: multiprocessing.synchronize.Event,
+    metrics_made: multiprocessing.synchronize.Event,
 ) -> None:
     from celery import signals
+    from prometheus_client import REGISTRY
 
+    if metrics._instruments.cache_info().currsize:  # made by an earlier test in the parent
+        for instrument in vars(metrics._instruments()).values():
+            REGISTRY.unregister(instrument)
+        metrics._instruments.cache_clear()
     signals.worker_process_init.send(sender=None)  # what Celery sends in a new pool process
+    if metrics._instruments.cache_info().currsize == 1:
+        metrics_made.set()
     own = d.store.pools._pid == os.getpid()  # not the parent's pools, inherited
     pool = d.store.pools._pools.get("outbox") if own else None  # opened by the signal
     deadline = time.monotonic() + 5
@@ -75,14 +84,18 @@ def _child_starts_as_a_pool_process(
     d.store.close()
 
 
-def test_a_pool_process_connects_as_it_starts_not_at_its_first_delivery(
+def test_a_pool_process_connects_and_makes_its_metrics_as_it_starts_not_at_its_first_delivery(
     dispatcher: Dispatcher,
 ) -> None:
-    ready = FORK.Event()
-    child = FORK.Process(target=_child_starts_as_a_pool_process, args=(dispatcher, ready))
+    ready, metrics_made = FORK.Event(), FORK.Event()
+    child = FORK.Process(
+        target=_child_starts_as_a_pool_process, args=(dispatcher, ready, metrics_made)
+    )
     child.start()
     child.join(15)
     assert ready.is_set(), "the pool process had no open connection before its first delivery"
+    # importing prometheus_client took the first delivery of a new pool process 50-60 ms
+    assert metrics_made.is_set(), "the pool process made its metrics at its first delivery"
 
 
 def _child_claims_through_the_handoff(
