@@ -49,7 +49,7 @@ def pipelined_transaction(conn: Conn) -> Iterator[None]:
     """A transaction in one pipeline, ``BEGIN`` and ``COMMIT`` sent as its statements: one
     round trip where nothing in the block fetches. psycopg's own transaction block syncs the
     pipeline at its end, a second round trip (a claim of one row took 1.36 ms that way
-    against 1.15 ms, two trivial statements 0.52 against 0.30 ms). The connection is in
+    against 1.03 ms, two trivial statements 0.52 against 0.30 ms). The connection is in
     autocommit (pool.py); ``BEGIN`` names its isolation level, as psycopg's would (a claim
     must read committed, whatever the server's default); a block that fails is rolled back, so
     the pool gets it back idle."""
