@@ -39,8 +39,6 @@ from .settle import BATCH_QUERY, QUERY, SettleKind, leaves_line
 from .sqlfiles import queries_for
 from .validation import PreparedRow
 
-IDLE = TransactionStatus.IDLE
-
 log = logging.getLogger(__name__)
 
 
@@ -55,18 +53,17 @@ def pipelined_transaction(conn: Conn) -> Iterator[None]:
     the pool gets it back idle."""
     level = conn.isolation_level
     begin = "BEGIN" if level is None else f"BEGIN ISOLATION LEVEL {level.name.replace('_', ' ')}"
-    done = False
     try:
         with conn.pipeline() as pipeline:
             conn.execute(begin)
             yield
             conn.execute("COMMIT")
             pipeline.sync()
-        done = True
-    finally:
-        if not done and not conn.closed and conn.info.transaction_status != IDLE:
+    except BaseException:
+        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
+        raise
 
 
 @contextmanager
