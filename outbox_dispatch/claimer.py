@@ -30,6 +30,7 @@ from .policy import (
     Family,
     broker_room,
     cap_rule,
+    claim_can_wait,
     family_is_capped,
     plan_capped_claim,
     rows_per_message,
@@ -120,15 +121,20 @@ class Claimer:
         if family.most_per_message <= 1 or rows <= 1:
             return 1
         stats = self.run_stats.of(family.name) if self.run_stats is not None else None
-        consumers = max(self.consumers(), stats[0] if stats else 0)
         return rows_per_message(
             rows,
             most=family.most_per_message,
-            consumers=consumers,
+            consumers=self.consumers_of(family),
             queued=self.queued(family) if queued is None else queued,
             run_time=stats[1] if stats else None,
             lease=family.lease,
         )
+
+    def consumers_of(self, family: Family) -> int:
+        """The processes that consume the family's queue at least: the setting (or this
+        worker's concurrency), or more when more reported run times lately."""
+        stats = self.run_stats.of(family.name) if self.run_stats is not None else None
+        return max(self.consumers(), stats[0] if stats else 0)
 
     def claim_family(self, family: Family, *, batch: int | None = None) -> ClaimResult:
         t0 = time.perf_counter()
@@ -312,11 +318,19 @@ class Claimer:
     # -- the claim loop ---------------------------------------------------------------------
 
     def run(
-        self, publish: Publisher, *, budget: float = 1.0, only: list[str] | None = None
+        self,
+        publish: Publisher,
+        *,
+        budget: float = 1.0,
+        only: list[str] | None = None,
+        refills: bool = False,
     ) -> ClaimReport:
         """Claim and publish every family (or those in ``only``) until none fills a batch or
         ``budget`` seconds pass. A family is claimed again within the pass only when the batch
-        size held it back; one held back by its in-flight limit is reported ``saturated``."""
+        size held it back; one held back by its in-flight limit is reported ``saturated``.
+        ``refills``: the caller claims the saturated families again within a refill interval
+        (a commit listener), so a family whose queue holds work for every consumer is left
+        for then, and reported saturated (policy.claim_can_wait)."""
         report = ClaimReport()
         deadline = time.monotonic() + budget
         pending = [f for f in self.families.values() if only is None or f.name in only]
@@ -333,6 +347,19 @@ class Claimer:
             full: list[Family] = []
             for family in pending:
                 queued = self.queued(family)
+                if refills and claim_can_wait(
+                    queued, self.consumers_of(family), family.most_per_message
+                ):
+                    report.saturated.add(family.name)
+                    event(
+                        log,
+                        logging.DEBUG,
+                        "claim_deferred",
+                        f"the family's queue holds {queued} messages, work for every consumer: "
+                        "its due rows are claimed together once it drains",
+                        family=family.name,
+                    )
+                    continue
                 room = broker_room(
                     family.max_in_flight * self.queue_share,
                     queued,

@@ -249,7 +249,7 @@ class Dispatcher:
             db.url,
             self.schema,
             db.store.channel,
-            partial(self.claim_and_publish, database=db.name),
+            partial(self.claim_and_publish, database=db.name, refills=True),
             sweep=self.claim_interval,
             database=self._shown(db),
             hand=partial(self.hand_unclaimed, database=db.name),
@@ -588,11 +588,14 @@ class Dispatcher:
         self, family: Family, rows: Sequence[Claimed], size: int = 1, database: str | None = None
     ) -> None:
         """One message per row, or per ``size`` rows; all on one producer connection. The
-        messages name ``database`` unless it is the first."""
+        messages name ``database`` unless it is the first. The queue's cached length counts
+        those put on the broker until it is read again (a claim that follows within the
+        cache's life sees them)."""
         if rows:
             db = self.database(database)
             named = None if db.primary else db.name
-            self.publisher.publish(family, rows, self.queue_name(family.name), size, named)
+            sent = self.publisher.publish(family, rows, self.queue_name(family.name), size, named)
+            self.queues.published(family, sent)
 
     def hand_unclaimed(
         self, named: Mapping[str, Sequence[Named]], database: str | None = None
@@ -622,19 +625,25 @@ class Dispatcher:
         return int(self.app.conf.worker_concurrency or os.cpu_count() or 1)
 
     def claim_and_publish(
-        self, families: list[str] | None = None, database: str | None = None
+        self,
+        families: list[str] | None = None,
+        database: str | None = None,
+        *,
+        refills: bool = False,
     ) -> ClaimReport:
         """One claimer pass (the beat task): claim each family's (or the named families') due
         rows and publish them, in every database (or the one named). A database that fails
-        is logged and skipped: the others' rows go on."""
+        is logged and skipped: the others' rows go on. ``refills``: the caller claims again
+        within a refill interval (a commit listener), so a family whose queue already holds
+        work for every consumer is left for then (Claimer.run)."""
         chosen = self.chosen_databases(database)
         if len(chosen) == 1:
-            return self._claim_pass(chosen[0], families)
+            return self._claim_pass(chosen[0], families, refills=refills)
         report = ClaimReport()
         budget = self.claim_interval / len(chosen)  # the pass fits its interval, as with one
         for db in chosen:
             try:
-                part = self._claim_pass(db, families, budget)
+                part = self._claim_pass(db, families, budget, refills=refills)
             except OutboxError as exc:
                 # a database known to be down is said once per probe, not once per pass
                 known = isinstance(exc, DatabaseUnavailable) and exc.repeated
@@ -646,12 +655,17 @@ class Dispatcher:
         return report
 
     def _claim_pass(
-        self, db: Database, families: list[str] | None, budget: float | None = None
+        self,
+        db: Database,
+        families: list[str] | None,
+        budget: float | None = None,
+        *,
+        refills: bool = False,
     ) -> ClaimReport:
         with about_database(self._shown(db)):
             publish = partial(self._publish_to, db.name)
             budget = self.claim_interval if budget is None else budget
-            report = db.claimer.run(publish, budget=budget, only=families)
+            report = db.claimer.run(publish, budget=budget, only=families, refills=refills)
             if report.total:
                 event(log, logging.INFO, "claim_pass", f"published {report.claimed}")
         return report

@@ -21,10 +21,12 @@ claims and starts the row in one statement (deliver_claim_begin). The hop to the
 comes first and one round trip follows it, where a claim, the hop and a start came one after
 another. Any other wake is a claim, as before.
 
-A family whose claim stopped at its in-flight limit (or a full queue) is claimed again every
-``refill`` seconds until a claim finds fewer due rows than it could take: under a backlog the
-queue is topped up as workers free room, without waiting for beat and without a claim loop
-that spins on a few rows at a time.
+A family whose claim stopped at its in-flight limit (or a full queue), or that was left
+because its queue holds work for every consumer (policy.claim_can_wait: its rows are claimed
+together, and packed, once it drains), is claimed again every ``refill`` seconds until a
+claim finds fewer due rows than it could take: under a backlog the queue is topped up as
+workers free room, without waiting for beat and without a claim loop that spins on a few
+rows at a time.
 """
 
 from __future__ import annotations

@@ -73,11 +73,11 @@ class Publisher:
         queue: str,
         size: int = 1,
         database: str | None = None,
-    ) -> None:
+    ) -> int:
         """One message per row, or per ``size`` rows; the first ones to this worker's own
         consumer when it has room for them (handoff.py), the rest on one producer, one
         pipeline. ``database``: the name the messages carry (None for the first database,
-        whose messages carry none; databases.py)."""
+        whose messages carry none; databases.py). Returns the messages put on the broker."""
         messages: Outgoing = []
         step = max(1, size)
         head: tuple[Any, ...] = () if database is None else (database,)
@@ -95,12 +95,13 @@ class Publisher:
             with self.app.producer_or_acquire() as producer, _batched(producer, len(messages)):
                 for args, options in messages:
                     self._task_for(args).apply_async(args, producer=producer, **options)
-            return
+            return len(messages)
         wires = self.wires(queue, messages)
         if self.local is not None:
             wires = wires[self.local.take(queue, wires) :]
         if wires:
             self.send(queue, wires)
+        return len(wires)
 
     def hand_unclaimed(
         self, family: Family, rows: Sequence[Claimed], queue: str, database: str | None = None

@@ -11,7 +11,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_dispatch import Context, Dispatcher, Message, Outcome
+from outbox_dispatch import Context, Dispatcher, Family, Message, Outcome, queues
+from outbox_dispatch.claimer import Claimer, ClaimReport
+from outbox_dispatch.policy import SPREAD
 from outbox_dispatch.wiring import DELIVER_TASKS
 from tests.conftest import count_rows
 
@@ -76,6 +78,90 @@ def test_a_backlog_is_packed_over_the_consumers_and_every_row_is_delivered_once(
         assert time.monotonic() < deadline, "batched rows not delivered"
         time.sleep(0.05)
     assert sorted(effects.rows(cmd)) == sorted(ids)  # each exactly once
+
+
+def test_a_listener_leaves_a_trickle_to_one_claim_that_packs_it_while_the_queue_is_busy(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """One-row commits that arrive while the family's queue holds work for every consumer
+    stay due in Postgres (the listener claims again within its refill interval); once the
+    queue drains, one claim takes them all and packs them. Beat's pass, which comes back only
+    after its interval, claims whatever the queue holds."""
+    _clear_run_stats(database_url, schema)
+    cmd = commands(family="plain")
+    queued = [2 * SPREAD]  # two consumers, each with SPREAD messages waiting
+    claimer = Claimer(
+        dispatcher.store,
+        {"plain": dispatcher.families["plain"]},
+        consumers=lambda: 2,
+        queued=lambda family: queued[0],
+    )
+    sent: list[tuple[list[int], int]] = []
+
+    def run(refills: bool) -> ClaimReport:
+        return claimer.run(
+            lambda f, rows, size: sent.append(([r.id for r in rows], size)), refills=refills
+        )
+
+    def due() -> int:
+        return count_rows(database_url, schema, f"command = '{cmd}' AND claim_token IS NULL")
+
+    ids: list[int] = []
+    for n in range(10):  # one transaction per row, as a stream of commits
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            ids.append(dispatcher.enqueue(conn, cmd, {"n": n}))
+        report = run(refills=True)
+        assert (report.claimed, report.saturated, sent) == ({}, {"plain"}, [])
+    assert due() == 10
+    queued[0] = 2 * SPREAD - 1  # a consumer took a message: room for more
+    report = run(refills=True)
+    assert report.claimed == {"plain": 10} and due() == 0
+    # one claim, packed over the messages the queue lacks (at least one per consumer)
+    assert sent == [(ids, 5)]
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        late = dispatcher.enqueue(conn, cmd, {"n": 10})
+    queued[0] = 100  # busy, with broker room: beat's pass claims
+    assert run(refills=False).claimed == {"plain": 1} and sent[-1] == ([late], 1)
+
+
+def test_the_queue_length_counts_what_was_just_published_until_it_is_read_again(
+    dispatcher: Dispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim right after another sees the messages that one put on the broker, though the
+    length it reads is cached (queues.TTL): else each claim in a burst would take the queue
+    for empty."""
+    family = Family("nobody_consumes_this_one")
+    probe = dispatcher.queues
+    monkeypatch.setattr(queues, "TTL", 60.0)
+    assert probe.queued(family) == 0  # read from Redis: no such list
+    probe.published(family, 3)
+    probe.published(family, 0)
+    assert probe.queued(family) == 3
+    monkeypatch.setattr(queues, "TTL", 0.0)
+    assert probe.queued(family) == 0  # read again: nothing was really sent
+
+
+def test_the_commit_listener_leaves_rows_to_a_busy_queue(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _clear_run_stats(database_url, schema)
+    cmd = commands(family="plain")
+    family = dispatcher.families["plain"]
+    monkeypatch.setattr(queues, "TTL", 60.0)
+    dispatcher.queues.queued(family)  # read from Redis once; then count what is published
+    dispatcher.queues.published(family, dispatcher._consumers() * SPREAD)
+    # two rows, one transaction: a plain wake, which a running session worker's listener
+    # would claim too (it shares this dispatcher's queue lengths, so it leaves them as well)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        dispatcher.enqueue_many(conn, [Message(cmd, {"n": 1}), Message(cmd, {"n": 2})])
+    listener = dispatcher.commit_listener()
+    report = listener.claim(["plain"])
+    assert (report.claimed, report.saturated) == ({}, {"plain"})
+    assert count_rows(database_url, schema, f"command = '{cmd}' AND claim_token IS NULL") == 2
 
 
 def test_message_size_follows_the_measured_run_time_and_the_queue(

@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox_dispatch import ConfigurationError, Family
-from outbox_dispatch.policy import ADAPTIVE_BATCH, LEASE_SHARE, SPREAD, rows_per_message
+from outbox_dispatch.policy import (
+    ADAPTIVE_BATCH,
+    LEASE_SHARE,
+    SPREAD,
+    claim_can_wait,
+    rows_per_message,
+)
 
 
 @given(
@@ -44,6 +50,27 @@ def test_a_backlog_is_spread_over_the_consumers_and_a_busy_queue_gets_bigger_mes
     slow = rows_per_message(500, most=100, consumers=2, queued=0, run_time=0.5, lease=60)
     assert slow == 12  # 12 half-second rows fill the 6 s share of a 60 s lease
     assert rows_per_message(2, most=100, consumers=2, queued=0, run_time=None, lease=60) == 1
+
+
+@given(queued=st.integers(0, 10_000), consumers=st.integers(-1, 64), most=st.integers(1, 1000))
+def test_a_claim_waits_only_while_every_consumer_has_spread_messages_queued(
+    queued: int, consumers: int, most: int
+) -> None:
+    """The listener leaves a family's rows in Postgres while its queue holds SPREAD messages
+    per consumer; an empty queue is always claimed, more queued never turns a wait back into
+    a claim, and a family pinned to one row per message never waits."""
+    assert not claim_can_wait(0, consumers, most)
+    assert not claim_can_wait(queued, consumers, 1)
+    if claim_can_wait(queued, consumers, most):
+        assert claim_can_wait(queued + 1, consumers, most)
+        assert queued >= SPREAD  # at least one consumer's worth, whatever was passed
+    assert claim_can_wait(max(1, consumers) * SPREAD, consumers, most) == (most > 1)
+
+
+def test_two_consumers_wait_from_eight_queued_messages() -> None:
+    assert [claim_can_wait(q, 2, 100) for q in (0, 7, 8, 50)] == [False, False, True, True]
+    assert claim_can_wait(4, 0, 100) and not claim_can_wait(3, 0, 100)  # no consumer known
+    assert not claim_can_wait(50, 2, 1)  # batch=1: nothing to pack
 
 
 def test_batch_none_is_adaptive_and_bad_batches_are_refused() -> None:
