@@ -123,15 +123,21 @@ class LocalHandoff:
         self._republish(waiting, "the worker's consumer stopped before they started")
 
     def _drain(self) -> None:
-        """Give the taken messages to Celery, as its broker consumer gives a received one."""
+        """Give the taken messages to Celery, as its broker consumer gives a received one.
+        The wake-ups are read before the messages are: a message taken after that sent its
+        wake-up after it, so this loop runs again for it (read after, a wake-up sent between
+        the two would be read with no message left behind it to wake for, and the message
+        would wait for the next take, which may never come: its row then waited its lease)."""
         with self._lock:
-            wake, handler = self._wake, self._handler
-            batch = list(self._pending)
-            self._pending.clear()
+            wake = self._wake
         if wake is not None:
             with contextlib.suppress(BlockingIOError, InterruptedError):
                 while wake[0].recv(4096):
                     pass
+        with self._lock:
+            handler = self._handler
+            batch = list(self._pending)
+            self._pending.clear()
         if handler is None:
             self._republish(batch, "the worker's consumer stopped before they started")
             return

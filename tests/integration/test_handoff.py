@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 
 from outbox_dispatch import Context, Dispatcher, Message
 from outbox_dispatch.handoff import LocalHandoff
@@ -112,3 +113,65 @@ def test_what_the_worker_holds_when_its_consumer_stops_goes_to_the_broker(
     finally:
         release.set()
     wait_for(lambda: count_rows(database_url, dispatcher.schema, f"id = {held}") == 0, "held")
+
+
+class _TakeBetween:
+    """The hand-off's lock, with a hook: the ``at``-th time the worker's event loop thread
+    lets it go once armed, ``hook`` runs there (another thread's take lands at that point)."""
+
+    def __init__(self, inner: Any, loop_thread: Callable[[], bool], at: int) -> None:
+        self.inner, self.loop_thread, self.at = inner, loop_thread, at
+        self.hook: Callable[[], None] | None = None
+
+    def __enter__(self) -> _TakeBetween:
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.inner.__exit__(*exc)
+        hook = self.hook
+        if hook is not None and self.loop_thread():
+            self.at -= 1
+            if self.at == 0:
+                self.hook = None
+                hook()
+
+
+@pytest.mark.parametrize("at", [1, 2, 3])
+def test_a_message_taken_while_the_worker_gives_the_last_ones_to_celery_is_given_too(
+    at: int,
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
+) -> None:
+    """The listener's thread takes a message at any point of the event loop's drain (after
+    its first, second or third step). Taken between the drain's reads (of the wake-ups and of
+    the messages), it must still be given
+    to Celery at once: it once sat in the hand-off until some later take woke the loop,
+    which under load never came (a full hand-off takes nothing), so its row waited out its
+    lease (60 s by default; 5 s here, longer than the test waits)."""
+    h, sent = handoff
+    seen: list[int] = []
+    cmd = commands(family="quick", fn=lambda ctx, payload: seen.append(ctx.row_id))
+    loop_ident: list[int] = []
+    in_loop(worker, lambda: loop_ident.append(threading.get_ident()))
+    hooked = _TakeBetween(h._lock, lambda: threading.get_ident() == loop_ident[0], at)
+    h._lock = hooked  # type: ignore[assignment]
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        first = dispatcher.enqueue(conn, cmd, {"n": 1})
+
+    def second_claim() -> None:  # the listener's thread, while the loop thread drains
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            ids.append(dispatcher.enqueue(conn, cmd, {"n": 2}))
+        claimer = threading.Thread(target=lambda: dispatcher.claim_and_publish(["quick"]))
+        claimer.start()
+        claimer.join(10)
+
+    ids: list[int] = []
+    hooked.hook = second_claim
+    assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
+    wait_for(lambda: hooked.hook is None and len(seen) >= 1, "the first row never ran")
+    wait_for(lambda: sorted(seen) == sorted([first, *ids]), "the second row waits", timeout=3)
+    assert h.handed == 2 and sent == []  # both went through the hand-off
