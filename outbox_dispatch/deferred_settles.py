@@ -70,6 +70,9 @@ class DeferredSettles:
         self._first_add = 0.0
         self._idle = False  # the thread waits for work (not sleeping until a row is due)
         self._lock = ForkSafeLock()
+        # held while a batch is settled: a flush waits for the thread's batch in flight (its
+        # callers count on every row handed here being settled once it returns)
+        self._settling = ForkSafeLock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -125,8 +128,10 @@ class DeferredSettles:
 
     def flush(self) -> None:
         """Settle everything pending now (the end of a batched message, worker shutdown,
-        tests), and finish what the starts that carried settles left to do."""
-        self._finish(self._settle(self.take()))
+        tests), and finish what the starts that carried settles left to do. A batch the
+        thread took and has not settled yet is waited for: returned before it, a flush at
+        shutdown let the process exit mid-statement, and the rows ran again."""
+        self._settle_now()
         self._wake.set()  # a thread waiting for a row that is settled now looks again
 
     def _rouse(self) -> bool:
@@ -156,10 +161,14 @@ class DeferredSettles:
                     # a start may carry the row meanwhile; a flush wakes this early
                     self._wake.wait(min(wait, WINDOW))
                 else:
-                    self._finish(self._settle(self.take()))
+                    self._settle_now()
             except Exception as exc:  # never let the thread die: the next rows need it
                 event(log, logging.ERROR, "settle_batch_failed", repr(exc))
                 time.sleep(WINDOW)
+
+    def _settle_now(self) -> None:
+        with self._settling:
+            self._finish(self._settle(self.take()))
 
     def _wait(self) -> float | None:
         """Seconds until the oldest pending row is the thread's to settle (None: nothing is

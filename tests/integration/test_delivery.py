@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -281,6 +282,48 @@ def test_deferred_settles_ride_on_the_next_start_and_stay_fenced(
         del dispatcher.store.settle_many
     assert _row(database_url, schema, late)["cancel_reason"] == "changed my mind"
     assert statements == [1]  # the last row, settled by the thread
+
+
+def test_a_flush_waits_for_the_settles_the_thread_has_in_flight(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """A flush (the end of a batched message, the worker's shutdown) promises every row
+    handed to the deferred settles is settled when it returns. The background thread may have
+    taken a row and be settling it right then: the flush must wait for that statement, not
+    return at once because nothing is pending (at shutdown the process would exit
+    mid-statement, and the row would run again after its lease)."""
+    schema = dispatcher.schema
+    cmd = commands(family="quick")
+    row_id = _enqueue(dispatcher, database_url, cmd)
+    in_flight, release = threading.Event(), threading.Event()
+    settle_many = dispatcher.store.settle_many
+
+    def slow_in_the_thread(kind: SettleKind, pairs: Any) -> set[int]:
+        if threading.current_thread().name == "outbox-settler" and not in_flight.is_set():
+            in_flight.set()
+            release.wait(10)  # the thread's statement, still on its way
+        return settle_many(kind, pairs)
+
+    dispatcher.store.settle_many = slow_in_the_thread  # type: ignore[method-assign]
+    flushed = threading.Event()
+    try:
+        [c] = _claim(dispatcher, "quick")
+        result = dispatcher.delivery.deliver(c.id, c.token, family_hint="quick", defer=True)
+        assert result.outcome is Outcome.DELIVERED
+        assert in_flight.wait(5), "the thread never took the row"
+
+        def flush() -> None:  # the end of a batched message, or the worker's shutdown
+            dispatcher.delivery.deferred.flush()
+            flushed.set()
+
+        threading.Thread(target=flush).start()
+        assert not flushed.wait(0.3), "the flush returned with the thread's settle in flight"
+        release.set()
+        assert flushed.wait(5)
+        assert count_rows(database_url, schema, f"id = {row_id}") == 0  # settled by then
+    finally:
+        release.set()
+        del dispatcher.store.settle_many
 
 
 def test_a_carried_settle_is_fenced_by_the_token_it_was_delivered_under(
