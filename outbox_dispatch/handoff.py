@@ -78,6 +78,7 @@ class LocalHandoff:
         self._lock = ForkSafeLock()
         self._pending: deque[tuple[str, Wire]] = deque()  # taken, not yet given to Celery
         self._outstanding: dict[str, tuple[str, Wire]] = {}  # given, not yet acked or rejected
+        self._giving = 0  # taken from _pending by the loop, not yet reserved by Celery
         self._consumer: Any = None
         self._handler: Callable[[Message], None] | None = None
         self._pid = 0
@@ -105,7 +106,8 @@ class LocalHandoff:
 
     def detach(self) -> None:
         """Stop taking messages (a consumer bootstep's stop): what was taken and has not
-        started is published to the broker."""
+        started is published to the broker; what is running stays known, so that it is
+        published if Celery gives it back (its pool process died)."""
         with self._lock:
             consumer, wake = self._consumer, self._wake
             self._consumer = self._handler = self._wake = None
@@ -120,6 +122,8 @@ class LocalHandoff:
                 sock.close()
         running = _active_ids()
         waiting += [m for tag, m in outstanding.items() if tag not in running]
+        with self._lock:  # a running one is still published if its pool process dies
+            self._outstanding.update((t, m) for t, m in outstanding.items() if t in running)
         self._republish(waiting, "the worker's consumer stopped before they started")
 
     def _drain(self) -> None:
@@ -138,6 +142,8 @@ class LocalHandoff:
             handler = self._handler
             batch = list(self._pending)
             self._pending.clear()
+            # still this worker's to hold, for a take meanwhile, until Celery reserves each
+            self._giving = len(batch) if handler is not None else 0
         if handler is None:
             self._republish(batch, "the worker's consumer stopped before they started")
             return
@@ -151,6 +157,9 @@ class LocalHandoff:
                 with self._lock:
                     self._outstanding.pop(wire.task_id, None)
                 self._republish([(queue, wire)], f"could not be received here ({exc!r})")
+            finally:
+                with self._lock:
+                    self._giving -= 1
 
     # -- the message's acknowledgement ------------------------------------------------------
 
@@ -201,7 +210,7 @@ class LocalHandoff:
         with self._lock:
             if self._wake is None or queue not in self._consumed():
                 return 0
-            held = _reserved() + len(self._pending)
+            held = _reserved() + len(self._pending) + self._giving
             room = self._prefetch() - held
             if idle and (held or room < len(wires)):
                 return 0
@@ -211,8 +220,10 @@ class LocalHandoff:
             self._pending.extend((queue, w) for w in taken)
             self.handed += len(taken)
             writer = self._wake[1]
-        # a full socket holds wake-ups enough: the loop will drain
-        with contextlib.suppress(BlockingIOError, InterruptedError):
+        # a full socket holds wake-ups enough: the loop will drain; a closed one was closed
+        # by a detach, which published what this took (it was pending when the detach took
+        # the lock), so the claim goes on publishing the rest
+        with contextlib.suppress(OSError):
             writer.send(b"\0")
         return len(taken)
 

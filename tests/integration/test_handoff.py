@@ -115,22 +115,22 @@ def test_what_the_worker_holds_when_its_consumer_stops_goes_to_the_broker(
     wait_for(lambda: count_rows(database_url, dispatcher.schema, f"id = {held}") == 0, "held")
 
 
-class _TakeBetween:
-    """The hand-off's lock, with a hook: the ``at``-th time the worker's event loop thread
-    lets it go once armed, ``hook`` runs there (another thread's take lands at that point)."""
+class _Hooked:
+    """The hand-off's lock, with a hook: the ``at``-th time the thread ``ident`` lets it go
+    once armed, ``hook`` runs there (another thread's step lands at that point)."""
 
-    def __init__(self, inner: Any, loop_thread: Callable[[], bool], at: int) -> None:
-        self.inner, self.loop_thread, self.at = inner, loop_thread, at
+    def __init__(self, inner: Any, ident: int, at: int = 1) -> None:
+        self.inner, self.ident, self.at = inner, ident, at
         self.hook: Callable[[], None] | None = None
 
-    def __enter__(self) -> _TakeBetween:
+    def __enter__(self) -> _Hooked:
         self.inner.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.inner.__exit__(*exc)
         hook = self.hook
-        if hook is not None and self.loop_thread():
+        if hook is not None and threading.get_ident() == self.ident:
             self.at -= 1
             if self.at == 0:
                 self.hook = None
@@ -157,7 +157,7 @@ def test_a_message_taken_while_the_worker_gives_the_last_ones_to_celery_is_given
     cmd = commands(family="quick", fn=lambda ctx, payload: seen.append(ctx.row_id))
     loop_ident: list[int] = []
     in_loop(worker, lambda: loop_ident.append(threading.get_ident()))
-    hooked = _TakeBetween(h._lock, lambda: threading.get_ident() == loop_ident[0], at)
+    hooked = _Hooked(h._lock, loop_ident[0], at)
     h._lock = hooked  # type: ignore[assignment]
     with psycopg.connect(database_url) as conn, conn.transaction():
         first = dispatcher.enqueue(conn, cmd, {"n": 1})
@@ -175,3 +175,97 @@ def test_a_message_taken_while_the_worker_gives_the_last_ones_to_celery_is_given
     wait_for(lambda: hooked.hook is None and len(seen) >= 1, "the first row never ran")
     wait_for(lambda: sorted(seen) == sorted([first, *ids]), "the second row waits", timeout=3)
     assert h.handed == 2 and sent == []  # both went through the hand-off
+
+
+def test_a_take_that_a_consumer_stop_overtakes_leaves_its_message_to_the_broker(
+    handoff: tuple[LocalHandoff, list[int]], worker: Any, dispatcher: Dispatcher
+) -> None:
+    """The listener's thread takes a message, and before it wakes the event loop the consumer
+    stops (a warm shutdown): the stop publishes the message and closes the wake-up socket.
+    The take must still report the message as taken, so its claim goes on publishing the
+    rest; it raised there once, and the claim's later messages were never published (their
+    rows waited out their lease)."""
+    h, _sent = handoff
+    hooked = _Hooked(h._lock, threading.get_ident())
+    h._lock = hooked  # type: ignore[assignment]
+    published: list[tuple[str, list[str]]] = []
+    h.republish = lambda q, wires: published.append((q, [w.task_id for w in wires]))
+    queue = dispatcher.queue_name("quick")
+    wire = Wire("t-" + uuid.uuid4().hex, "[]", {}, {})
+    hooked.hook = lambda: in_loop(worker, h.detach)  # between the take's lock and its wake-up
+    assert h.take(queue, [wire]) == 1
+    assert hooked.hook is None  # the stop did land in between
+    assert published == [(queue, [wire.task_id])]
+
+
+def test_a_worker_giving_messages_to_celery_is_not_idle(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
+) -> None:
+    """Messages the event loop has taken from the hand-off and not yet given to Celery are
+    the worker's to run: a take meanwhile counts them, so the listener does not hand a lone
+    commit's row to this worker as if it were idle (the row would wait behind them)."""
+    h, _sent = handoff
+    cmd = commands(family="quick")
+    loop_ident: list[int] = []
+    in_loop(worker, lambda: loop_ident.append(threading.get_ident()))
+    hooked = _Hooked(h._lock, loop_ident[0], at=2)  # after the loop takes the messages
+    h._lock = hooked  # type: ignore[assignment]
+    queue = dispatcher.queue_name("quick")
+    idle_take: list[int] = []
+
+    def take_as_idle() -> None:  # the listener's thread, with a lone commit's row
+        wire = Wire("t-" + uuid.uuid4().hex, "[]", {}, {})
+        taker = threading.Thread(target=lambda: idle_take.append(h.take(queue, [wire], idle=True)))
+        taker.start()
+        taker.join(10)
+
+    hooked.hook = take_as_idle
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        row = dispatcher.enqueue(conn, cmd, {})
+    assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
+    wait_for(lambda: idle_take != [], "the loop never took the message")
+    assert idle_take == [0]
+    wait_for(lambda: count_rows(database_url, dispatcher.schema, f"id = {row}") == 0, "not run")
+
+
+def test_a_running_message_given_back_after_the_consumer_stopped_goes_to_the_broker(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
+) -> None:
+    """A batched message (acknowledged when it ends) is running when the consumer stops; then
+    its pool process dies and Celery gives it back for requeue. Its rows not yet run must go
+    to the broker then, as they would have before the stop, not wait out their lease."""
+    h, _sent = handoff
+    release = threading.Event()
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def hold(ctx: Context, payload: Any) -> None:
+        with lock:
+            started.append(ctx.row_id)
+        assert release.wait(10)
+
+    cmd = commands(family="quick", fn=hold)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(12)])
+    try:
+        dispatcher.claim_and_publish(["quick"])
+        wait_for(lambda: len(started) >= 1 and h._outstanding != {}, "no batch is running")
+        with h._lock:
+            tag = next(iter(h._outstanding))
+        published: list[tuple[str, list[str]]] = []
+        h.republish = lambda q, wires: published.append((q, [w.task_id for w in wires]))
+        in_loop(worker, h.detach)
+        running = [t for _q, tags in published for t in tags]
+        assert tag not in running  # running: left to finish
+        h.rejected(tag, True)  # what Celery does when the pool process running it dies
+        assert [t for _q, tags in published for t in tags] == [*running, tag]
+    finally:
+        release.set()
