@@ -25,6 +25,7 @@ from .handlers import Context
 from .logs import event
 from .settle import StopReason
 from .store import Store
+from .validation import DEFAULT_PAYLOAD_LIMIT, encode_payload
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,15 @@ class Heartbeats:
             return self._running.get(key)
 
     def beat_now(self, key: Key, progress: Any = None) -> bool:
-        """A handler's own ``ctx.heartbeat()``: renew at once; False if it must stop."""
+        """A handler's own ``ctx.heartbeat()``: renew at once; False if it must stop.
+        Progress that jsonb cannot hold is refused here, before it is kept: every renewal of
+        the entry sends it, so kept, it would fail them all and the lease would lapse while the
+        handler runs."""
         entry = self.running(key)
         if entry is None:
             return False
         if progress is not None:
+            encode_payload(progress, DEFAULT_PAYLOAD_LIMIT, "heartbeat progress")
             entry.progress = progress
         self._renew([entry])
         return not entry.ctx.cancelled.is_set()
@@ -118,10 +123,14 @@ class Heartbeats:
             if due:
                 try:
                     self._renew(due)
-                except OutboxError as exc:  # Postgres unreachable: try again next tick
+                except Exception as exc:  # Postgres unreachable: try again next tick
                     for e in due:
                         e.next_at = time.monotonic() + TICK
-                    event(log, logging.WARNING, "heartbeat_failed", str(exc))
+                    # anything else is a bug of ours: never let it end the thread, which
+                    # renews every lease of this process
+                    known = isinstance(exc, OutboxError)
+                    level = logging.WARNING if known else logging.ERROR
+                    event(log, level, "heartbeat_failed", str(exc) if known else repr(exc))
 
     def _renew(self, entries: list[Running]) -> None:
         now = time.monotonic()

@@ -47,49 +47,46 @@ class PreparedRow:
     trace_json: str | None = None  # the enqueuing span's context, when tracing is on
 
 
-def _reject_non_finite(value: str) -> Any:
-    raise InvalidPayload(f"payload contains {value}, which JSON cannot represent")
-
-
-def encode_payload(payload: Any, limit: int) -> str:
-    """JSON text of the payload; rejects NaN/Infinity and non-string keys instead of coercing."""
+def encode_payload(payload: Any, limit: int, what: str = "payload") -> str:
+    """JSON text of the payload (or of ``what`` else goes to a jsonb column: a heartbeat's
+    progress); rejects NaN/Infinity and non-string keys instead of coercing."""
     try:
         text = json.dumps(payload, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise InvalidPayload(
-            f"payload is not JSON-serializable ({exc}): pass dicts, lists, str, int, float, "
+            f"{what} is not JSON-serializable ({exc}): pass dicts, lists, str, int, float, "
             "bool or None, and convert other types (dates, Decimals, objects) yourself"
         ) from exc
     # json.dumps silently turns int/float/bool/None dict keys into strings (the handler would
     # see other keys than were enqueued), and jsonb cannot store NUL: refuse both up front.
-    _check_structure(payload)
+    _check_structure(payload, what)
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise InvalidPayload(
-            f"payload has a string that is not valid Unicode ({exc.reason}): "
-            "decode bytes properly before enqueueing"
+            f"{what} has a string that is not valid Unicode ({exc.reason}): "
+            "decode bytes properly first"
         ) from exc
     if size > limit:
         raise PayloadTooLarge(
-            f"payload is {size} bytes, over the {limit}-byte limit: store the bulk elsewhere "
-            "(a table, object storage) and enqueue a reference, or raise payload_limit"
+            f"{what} is {size} bytes, over the {limit}-byte limit: store the bulk elsewhere "
+            "(a table, object storage) and pass a reference, or raise payload_limit"
         )
     return text
 
 
-def _check_structure(value: Any) -> None:
+def _check_structure(value: Any, what: str) -> None:
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             if "\x00" in item:
-                raise InvalidPayload("payload contains a NUL character, which jsonb cannot store")
+                raise InvalidPayload(f"{what} contains a NUL character, which jsonb cannot store")
         elif isinstance(item, Mapping):
             for key, sub in item.items():
                 if not isinstance(key, str):
                     raise InvalidPayload(
-                        f"payload has a non-string key {key!r}: JSON object keys must be str"
+                        f"{what} has a non-string key {key!r}: JSON object keys must be str"
                     )
                 stack.append(key)
                 stack.append(sub)

@@ -3,6 +3,7 @@ attempts, retention and pruning, durable cron."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -14,7 +15,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from outbox_dispatch import Backoff, Context, Dispatcher, InvalidArgument, Outcome
+from outbox_dispatch import Backoff, Context, Dispatcher, InvalidArgument, InvalidPayload, Outcome
 from outbox_dispatch.cron import CatchUp, due_ticks
 from tests.conftest import count_rows
 
@@ -95,6 +96,54 @@ def test_progress_is_recorded_by_ctx_heartbeat(life: Dispatcher, database_url: s
     _one(life, database_url, cmd)
     life.drain(timeout=5)
     assert seen == [{"done": 5, "of": 10}]
+
+
+def test_progress_that_is_not_json_is_refused_at_the_call_and_the_lease_still_renews(
+    life: Dispatcher, database_url: str
+) -> None:
+    """A handler passes ctx.heartbeat a progress value jsonb cannot hold (an object, NaN).
+    The call raises InvalidPayload saying so, the row's progress is left as it was, and the
+    lease goes on being renewed: the value once stayed on the heartbeat's entry and every
+    later renewal failed on it (an object ended the heartbeat thread; NaN failed in
+    Postgres, tick after tick), and the row was claimed again while its handler still ran."""
+    runs: list[int] = []
+    errors: list[str] = []
+    seen: list[Any] = []
+    cmd = _name()
+
+    @life.handler(cmd, family="short")  # heartbeat timeout 1 s: renewed every 0.33 s
+    def slow(ctx: Context, payload: Any) -> None:
+        runs.append(ctx.attempt)
+        assert ctx.heartbeat({"done": 1})
+        for bad in ({"at": object()}, {"rate": math.nan}):
+            with pytest.raises(InvalidPayload) as raised:
+                ctx.heartbeat(bad)
+            errors.append(str(raised.value))
+        seen.append(_row(database_url, life.schema, ctx.row_id)["progress"])
+        time.sleep(2.5)
+
+    row_id = _one(life, database_url, cmd)
+    stolen: list[int] = []
+    stop = threading.Event()
+
+    def rival() -> None:  # another claimer that would take the row if its lease lapsed
+        while not stop.is_set():
+            stolen.extend(c.id for c in life.claimer.claim_family(life.families["short"]).claimed)
+            time.sleep(0.1)
+
+    result = life.claimer.claim_family(life.families["short"])
+    t = threading.Thread(target=rival)
+    t.start()
+    try:
+        assert life.delivery.deliver(row_id, result.claimed[0].token).outcome is Outcome.DELIVERED
+    finally:
+        stop.set()
+        t.join()
+    assert runs == [1]
+    assert stolen == []
+    assert len(errors) == 2, errors
+    assert all("heartbeat progress" in e and "JSON" in e for e in errors), errors
+    assert seen == [{"done": 1}]
 
 
 def test_cancel_pending_rows_by_id_dedupe_key_and_actor(
