@@ -183,7 +183,21 @@ class DeferredSettles:
         with self._lock:
             refused, self._after = [*refused, *self._after], []
         for kind, s in refused:
-            self.refused(kind, s)
+            try:
+                self.refused(kind, s)
+            except Exception as exc:  # one row's failure must not drop the others' records
+                event(
+                    log,
+                    logging.WARNING,
+                    "settle_refused_failed",
+                    f"a refused settle could not be recorded ({exc!r}); the row runs again "
+                    "after its lease with maybe_applied",
+                    row_id=s.id,
+                    family=s.family,
+                    command=s.command,
+                    actor=s.actor,
+                    attempt=s.attempts,
+                )
 
     def _settle(self, batch: Pending) -> list[tuple[SettleKind, Started]]:
         """Settle a batch, one statement per kind; returns the refused rows."""

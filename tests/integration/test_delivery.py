@@ -326,6 +326,48 @@ def test_a_flush_waits_for_the_settles_the_thread_has_in_flight(
         del dispatcher.store.settle_many
 
 
+def test_one_refused_settle_that_cannot_be_recorded_does_not_drop_the_others(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two delivered rows asked to be cancelled while their handlers ran, so their deferred
+    settles are refused and go to the one-row path, which records them as cancelled. If
+    recording the first fails (Postgres went away for that statement), the second is still
+    recorded: the failure once ended the loop and the rest of the list was dropped."""
+    schema = dispatcher.schema
+    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 60.0)  # the flush settles
+
+    def asks_to_cancel_itself(ctx: Context, payload: Any) -> None:
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            assert dispatcher.cancel(conn, ctx.row_id, reason="undo").requested == [ctx.row_id]
+
+    cmd = commands(family="quick", fn=asks_to_cancel_itself)
+    ids = [_enqueue(dispatcher, database_url, cmd, {"n": i}) for i in range(2)]
+    deferred = dispatcher.delivery.deferred
+    record = deferred.refused
+    failed: list[int] = []
+
+    def first_fails(kind: SettleKind, started: Any) -> None:
+        if not failed:
+            failed.append(started.id)
+            raise psycopg.OperationalError("connection lost for this statement")
+        record(kind, started)
+
+    deferred.refused = first_fails
+    try:
+        for c in _claim(dispatcher, "quick"):
+            result = dispatcher.delivery.deliver(c.id, c.token, family_hint="quick", defer=True)
+            assert result.outcome is Outcome.DELIVERED
+        deferred.flush()
+    finally:
+        deferred.refused = record
+    [other] = [i for i in ids if i not in failed]
+    assert _row(database_url, schema, other)["cancel_reason"] == "undo"
+    assert _row(database_url, schema, failed[0])["cancelled_at"] is None  # left to its lease
+
+
 def test_a_carried_settle_is_fenced_by_the_token_it_was_delivered_under(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
