@@ -3,7 +3,8 @@
 The message carries only (row id, claim token). Publishing happens after the claim commits,
 so a delivery never sees a token that is not yet visible; a claimer that dies between commit
 and publish leaves leased rows that are claimed again after the lease, without an attempt
-counted (their claim never started).
+counted (their claim never started); one whose publish fails and lives on gives them back,
+due at once (``_give_back``).
 
 Capped families take a Redis slot per row while the candidates are locked; a row whose actor
 is at its cap is not published but set waiting, out of the due range, until a slot of its
@@ -393,7 +394,11 @@ class Claimer:
                 if result.claimed:
                     size = self.message_size(family, len(result.claimed), queued)
                     self._sizes[family.name] = size
-                    publish(family, result.claimed, size)
+                    try:
+                        publish(family, result.claimed, size)
+                    except BaseException as exc:
+                        self._give_back(family, result.claimed, exc)
+                        raise
                 _add(report.claimed, family.name, len(result.claimed))
                 _add(report.parked, family.name, len(result.parked))
                 _add(report.waiting, family.name, result.waiting)
@@ -413,6 +418,41 @@ class Claimer:
                 report.saturated.update(f.name for f in pending)  # still work: top up later
                 break
         return report
+
+    def _give_back(self, family: Family, rows: list[Claimed], exc: BaseException) -> None:
+        """A claim committed and its publish failed: its rows not started are due again now,
+        and their cap slots go back, so that the next pass (the listener's, within a second)
+        claims them instead of each waiting out its lease while this process lives on."""
+        try:
+            back = self.store.give_back_claim([(r.id, r.token) for r in rows])
+        except DatabaseError as err:
+            event(
+                log,
+                logging.ERROR,
+                "publish_failed",
+                f"{len(rows)} claimed rows could not be published ({exc!r}) nor given back "
+                f"({err}); they are claimed again after their lease ({family.lease:g} s)",
+                family=family.name,
+            )
+            return
+        if self.caps is not None and self.is_capped(family):
+            self.caps.release_many(
+                [
+                    Slot(family.name, r.actor or "", r.token, rule.limit, rule.scope)
+                    for r in rows
+                    if r.id in back and (rule := self.cap_rule(family, r.command, r.actor))
+                ]
+            )
+        started = len(rows) - len(back)
+        event(
+            log,
+            logging.ERROR,
+            "publish_failed",
+            f"{len(rows)} claimed rows could not be published ({exc!r}); {len(back)} are due "
+            "again now, for the next claim pass"
+            + (f" ({started} had started and run)" if started else ""),
+            family=family.name,
+        )
 
     def _with_work(self, families: list[Family]) -> list[Family]:
         """The families a pass must claim: those with a due row (one statement for all), and

@@ -845,6 +845,16 @@ class Store:
         parked, cancelled, done = row
         return "parked" if parked else "cancelled" if cancelled else "done" if done else "live"
 
+    def give_back_claim(self, rows: Sequence[tuple[int, UUID]]) -> set[int]:
+        """Rows of a claim whose publish failed, as (id, token): due again now (those not
+        started yet); returns the ids given back."""
+        if not rows:
+            return set()
+        params = {"ids": [i for i, _ in rows], "tokens": [t for _, t in rows]}
+        with translated("claim give-back"), self._starting() as conn:
+            found = conn.execute(self.q["claim_give_back"], params).fetchall()
+        return {int(r[0]) for r in found}
+
     def request_claim(self, family: str) -> None:
         """NOTIFY the commit listener, which claims the family at once."""
         with translated("claim request"), self._starting() as conn:

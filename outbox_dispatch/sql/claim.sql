@@ -196,6 +196,17 @@ UPDATE __SCHEMA__.outbox SET waiting = false, due_at = now()
 WHERE id = ANY(%(ids)s::bigint[]) AND waiting
 RETURNING id;
 
+-- name: claim_give_back
+-- A claim whose messages could not be published (the broker down, a publish that raised): its
+-- rows that have not started are due again now, under the claim's token, as if its lease had
+-- run out, so the next claim takes them without counting an attempt (a claim that never
+-- started is not one). A message of the claim that did go out finds its lease over and is
+-- refused at its start; a row that started meanwhile is left to run.
+UPDATE __SCHEMA__.outbox o SET due_at = now()
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS g(id, token)
+WHERE o.id = g.id AND o.claim_token = g.token AND o.started_at IS NULL
+RETURNING o.id;
+
 -- name: claim_request
 -- Ask the commit listener for a claim of a family now (a cap slot freed), as a commit does.
 SELECT pg_notify(%(channel)s, %(family)s);
