@@ -3,6 +3,7 @@ then give back the row's cap slot and let the actor's next waiting row in."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 import time
@@ -212,6 +213,19 @@ class Delivery:
                 rest = pairs[len(results) :]
                 results += [Result(Outcome.STALE, i, str(exc)) for i, _ in rest]
                 break
+            except Exception as exc:
+                # one row's failure (a statement refused, a bug of ours) is that row's: if it
+                # started, it is a lost attempt, run again after its heartbeat timeout; the
+                # rows after it still run now, not after their lease
+                event(
+                    log,
+                    logging.ERROR,
+                    "delivery_failed",
+                    f"{exc!r}; the rest of the message goes on",
+                    row_id=row_id,
+                    family=family_hint,
+                )
+                results.append(Result(Outcome.LOST, row_id, repr(exc)))
         if defer:
             # settle the message's successes before the next message: a handler of the next
             # one that kills the process must not take finished rows with it (they would run
@@ -367,12 +381,14 @@ class Delivery:
             event(log, logging.DEBUG, "handler_started", "running handler", **_fields(started))
         t0 = time.perf_counter()
         try:
-            fn(running.ctx, started.payload)
+            returned = fn(running.ctx, started.payload)
         except Exception as exc:
             return self._finish(
                 started, family, self._after_exception(started, family, exc, running)
             )
         elapsed = time.perf_counter() - t0
+        if inspect.isawaitable(returned):
+            return self._finish(started, family, _never_awaited(returned), elapsed)
         settle = after_return(family, started.attempts, self.rand(), running.stop_reason())
         if not settle.delivers:
             return self._finish(started, family, settle, elapsed)
@@ -444,7 +460,9 @@ class Delivery:
                 if cancel:
                     raise _Cancelled()
                 ctx.conn = conn
-                fn(ctx, started.payload)
+                returned = fn(ctx, started.payload)
+                if inspect.isawaitable(returned):  # rolled back, and parked as below
+                    raise PermanentFailure(_never_awaited(returned).error)
                 reason = running.stop_reason()
                 if reason is StopReason.CANCEL_REQUESTED:
                     raise _Cancelled()
@@ -684,6 +702,20 @@ class Delivery:
             assert self.caps is not None
             if self.caps.release([slot], self.caps_database):
                 self.on_slot_freed(slot.family, self.caps_database)  # lets a waiting row in
+
+
+def _never_awaited(returned: object) -> Settle:
+    """A handler that returned an awaitable (a coroutine, a future): nothing here awaits it,
+    so its work did not run; the row is parked, not settled as delivered."""
+    close = getattr(returned, "close", None)
+    if callable(close):  # a coroutine never awaited would warn when collected
+        close()
+    error = (
+        f"the handler returned {type(returned).__name__}, which nothing awaits: handlers are "
+        "plain functions run in Celery's pool processes, so its work did not run; make it "
+        "synchronous (it may call asyncio.run(...)) and retry the parked row"
+    )
+    return Settle(SettleKind.PARK, error=error)
 
 
 def _deadlines(family: Family) -> tuple[float | None, float | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -38,15 +39,18 @@ from .listener import SAFETY_INTERVAL, CommitListener, Named
 from .logs import about_database, event, mask_dsn
 from .maintenance import Maintenance
 from .migrations import migrate
-from .naming import family_name, identifier
+from .naming import command_name, family_name, identifier
 from .policy import (
+    MAX_COUNT,
     Backoff,
     CapRule,
     Family,
     LostAttempt,
     builtin_families,
     cap_rule,
+    count_in,
     family_is_capped,
+    seconds_in,
 )
 from .pool import Conn
 from .publisher import Publisher, family_command
@@ -66,6 +70,8 @@ if TYPE_CHECKING:
     TxConn = Conn | SAConnection | SASession
 
 log = logging.getLogger(__name__)
+
+MAX_INTERVAL = 30 * 86400.0  # claim_interval and prune_interval: beat's schedule takes no more
 
 
 @dataclass(frozen=True)
@@ -105,12 +111,29 @@ class Dispatcher:
         flushed_starts: bool = False,
     ) -> None:
         urls = database_urls(database_url, databases)
-        if claim_interval <= 0:
-            raise ConfigurationError("claim_interval must be > 0 seconds")
-        if claim_batch < 1:
-            raise ConfigurationError("claim_batch must be >= 1")
-        if payload_limit < 2:
-            raise ConfigurationError("payload_limit must be at least 2 bytes")
+        for name, seconds in (
+            ("claim_interval", claim_interval),
+            ("prune_interval", prune_interval),
+        ):
+            if not (seconds_in(seconds, 0.0, MAX_INTERVAL) and seconds > 0):
+                raise ConfigurationError(
+                    f"{name} must be a number of seconds > 0 and <= {MAX_INTERVAL:g}, "
+                    f"got {seconds!r}"
+                )
+        for name, count, low in (
+            ("claim_batch", claim_batch, 1),
+            ("prune_batch", prune_batch, 1),
+            ("payload_limit", payload_limit, 2),
+            ("pool_size", pool_size, 1),
+            ("handler_pool_size", handler_pool_size, 1),
+        ):
+            if not count_in(count, low):
+                raise ConfigurationError(
+                    f"{name} must be a whole number from {low} to {MAX_COUNT}, got {count!r}"
+                )
+        for name, flag in (("listen", listen), ("handoff", handoff)):
+            if not isinstance(flag, bool):
+                raise ConfigurationError(f"{name} must be True or False, got {flag!r}")
         if consumers is not None and (
             isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1
         ):
@@ -134,8 +157,6 @@ class Dispatcher:
         self.payload_limit = payload_limit
         self.families: dict[str, Family] = builtin_families()
         self.registry = Registry(resolve=self._task_registration)
-        if pool_size < 1 or handler_pool_size < 1:
-            raise ConfigurationError("pool_size and handler_pool_size must be >= 1")
         self.caps = Caps(redis_url, key_prefix) if redis_url else None
         self.queues = QueueProbe(app, self.queue_name)
         several = len(urls) > 1  # then a database that stops answering is skipped (health.py)
@@ -345,7 +366,7 @@ class Dispatcher:
             name,
             max_attempts=max_attempts,
             backoff=backoff or Backoff(),
-            lease=float(lease),
+            lease=_seconds(lease),
             max_in_flight=max_in_flight,
             per_actor=per_actor,
             ordered=ordered,
@@ -382,8 +403,7 @@ class Dispatcher:
         overrides the family's cap for this command's rows. A ``transactional`` handler gets
         ``ctx.conn``, a connection in a transaction that also settles its row: its writes and
         the settle commit together or not at all."""
-        if not isinstance(command, str) or not command or len(command) > 200:
-            raise ConfigurationError(f"command must be a 1-200 character str, got {command!r}")
+        command_name(command)
         if per_actor is not None:
             if isinstance(per_actor, bool) or not isinstance(per_actor, int) or per_actor < 1:
                 raise ConfigurationError(f"per_actor must be None or >= 1, got {per_actor!r}")
@@ -393,6 +413,18 @@ class Dispatcher:
                 raise ConfigurationError(f"family {family!r} is ordered: per_actor does not apply")
 
         def decorate(fn: HandlerFn) -> HandlerFn:
+            if not callable(fn):
+                raise ConfigurationError(
+                    f"the handler of {command!r} must be a function fn(ctx, payload), got {fn!r}"
+                )
+            if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+                # called, it returns a coroutine nobody awaits: its rows would settle as
+                # delivered and the body would never run
+                raise ConfigurationError(
+                    f"the handler of {command!r} is async: handlers run in Celery's pool "
+                    "processes, which run no event loop; write a plain function (it may call "
+                    "asyncio.run(...))"
+                )
             reg = Registration(command, family, fn, per_actor, transactional)
             self.registry.add(reg, set(self.families))
             return fn
@@ -438,8 +470,7 @@ class Dispatcher:
 
     def declare(self, command: str, *, family: str = "intent") -> None:
         """Let a producer enqueue ``command`` without running it (its handler lives elsewhere)."""
-        if not isinstance(command, str) or not command or len(command) > 200:
-            raise ConfigurationError(f"command must be a 1-200 character str, got {command!r}")
+        command_name(command)
         self.registry.add(Registration(command, family, None), set(self.families))
 
     # -- enqueue --------------------------------------------------------------------------

@@ -5,6 +5,9 @@ Each class's docstring is its default message; messages say what the user can do
 
 from __future__ import annotations
 
+import math
+from datetime import timedelta
+
 
 class OutboxError(Exception):
     """An outbox_dispatch error."""
@@ -99,9 +102,24 @@ class RetryLater(OutboxError):
     """Raised by a handler to try its row again after ``delay`` seconds (the family's
     max_attempts still applies; then the row is parked)."""
 
-    def __init__(self, delay: float, message: str | None = None) -> None:
+    def __init__(self, delay: float | timedelta, message: str | None = None) -> None:
+        from .policy import MAX_BACKOFF, seconds_in  # policy imports this module
+
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+        if not seconds_in(seconds, -math.inf, MAX_BACKOFF):
+            # refused here, in the handler: it fails as any error does (retried with backoff,
+            # its row's last_error says why); found at the settle, it lost the attempt
+            wrong = (
+                TypeError
+                if isinstance(seconds, bool) or not isinstance(seconds, int | float)
+                else ValueError
+            )
+            raise wrong(
+                f"RetryLater delay must be seconds (a number, or a timedelta) up to "
+                f"{MAX_BACKOFF:g}, got {delay!r}"
+            )
         super().__init__(message)
-        self.delay = delay
+        self.delay = float(seconds)
 
 
 class OutsideTransaction(OutboxError):

@@ -30,6 +30,22 @@ def family_name(value: object) -> str:
     return value
 
 
+def command_name(value: object) -> str:
+    """Command names are stored in every row (text), shown by Flower and matched exactly: a
+    name Postgres cannot store (NUL, a lone surrogate) would be refused at each enqueue."""
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise InvalidIdentifier(f"command must be a 1-200 character str, got {value!r}")
+    if "\x00" in value:
+        raise InvalidIdentifier(
+            f"command {value!r} contains a NUL character: Postgres cannot store it"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidIdentifier(f"command {value!r} is not valid Unicode ({exc.reason})") from exc
+    return value
+
+
 def quoted(name: str) -> str:
     """A validated identifier in double quotes, for substitution into SQL files."""
     return '"' + identifier(name) + '"'

@@ -21,9 +21,12 @@ MAX_RETENTION = 100 * 365.25 * 86400  # 100 years; math.inf keeps rows forever
 MAX_BACKOFF = 365.25 * 86400  # one year
 MAX_BATCH = 1000  # rows one delivery message may carry
 ADAPTIVE_BATCH = 100  # the most rows per message a family with batch=None is packed with
+# Counts the SQL takes as int parameters (limits, attempts): one past this failed every claim
+# of the family in Postgres ("integer out of range"), forever.
+MAX_COUNT = 2**31 - 1
 
 
-def _seconds_in(value: object, low: float, high: float) -> bool:
+def seconds_in(value: object, low: float, high: float) -> bool:
     """A real number of seconds in [low, high] (NaN, inf and bools are not)."""
     return (
         isinstance(value, int | float)
@@ -31,6 +34,11 @@ def _seconds_in(value: object, low: float, high: float) -> bool:
         and math.isfinite(value)
         and low <= value <= high
     )
+
+
+def count_in(value: object, low: int, high: int = MAX_COUNT) -> bool:
+    """A whole number in [low, high] (bools, floats and strings are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 @dataclass(frozen=True)
@@ -42,13 +50,16 @@ class Backoff:
     jitter: float = 0.2
 
     def __post_init__(self) -> None:
-        if not (self.base > 0 and math.isfinite(self.base)):
-            raise ConfigurationError(f"backoff base must be a positive number, got {self.base!r}")
-        if not (self.cap >= self.base and _seconds_in(self.cap, 0.0, MAX_BACKOFF)):
+        if not (seconds_in(self.base, 0.0, MAX_BACKOFF) and self.base > 0):
+            raise ConfigurationError(
+                f"backoff base must be a number of seconds > 0 and <= {MAX_BACKOFF:g}, "
+                f"got {self.base!r}"
+            )
+        if not (seconds_in(self.cap, 0.0, MAX_BACKOFF) and self.cap >= self.base):
             raise ConfigurationError(
                 f"backoff cap must be >= base and <= {MAX_BACKOFF:g} s, got {self.cap!r}"
             )
-        if not 0.0 <= self.jitter <= 1.0:
+        if not seconds_in(self.jitter, 0.0, 1.0):
             raise ConfigurationError(f"backoff jitter must be in [0, 1], got {self.jitter!r}")
 
     def delay(self, attempts: int, rand: float) -> float:
@@ -93,40 +104,57 @@ class Family:
 
     def __post_init__(self) -> None:
         family_name(self.name)
-        if self.max_attempts is not None and (
-            not isinstance(self.max_attempts, int) or self.max_attempts < 1
-        ):
+        if self.max_attempts is not None and not count_in(self.max_attempts, 1):
             raise ConfigurationError(
-                f"family {self.name!r}: max_attempts must be None (retry forever) or >= 1"
+                f"family {self.name!r}: max_attempts must be None (retry forever) or a whole "
+                f"number from 1 to {MAX_COUNT}, got {self.max_attempts!r}"
             )
-        if not _seconds_in(self.lease, 1.0, MAX_LEASE):
+        if not isinstance(self.backoff, Backoff):
+            raise ConfigurationError(
+                f"family {self.name!r}: backoff must be a Backoff(base, cap, jitter), got "
+                f"{self.backoff!r}"
+            )
+        for flag in ("ordered", "parked_blocks"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigurationError(
+                    f"family {self.name!r}: {flag} must be True or False, got "
+                    f"{getattr(self, flag)!r}"
+                )
+        if not seconds_in(self.lease, 1.0, MAX_LEASE):
             raise ConfigurationError(
                 f"family {self.name!r}: lease must be 1 s to {MAX_LEASE:g} s, got {self.lease!r}"
             )
-        if not _seconds_in(self.heartbeat_timeout, 1.0, MAX_LEASE):
+        if not seconds_in(self.heartbeat_timeout, 1.0, MAX_LEASE):
             raise ConfigurationError(
                 f"family {self.name!r}: heartbeat_timeout must be 1 s to {MAX_LEASE:g} s, "
                 f"got {self.heartbeat_timeout!r}"
             )
-        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
-            raise ConfigurationError(f"family {self.name!r}: max_in_flight must be >= 1")
-        if self.per_actor is not None and (
-            not isinstance(self.per_actor, int) or self.per_actor < 1
-        ):
-            raise ConfigurationError(f"family {self.name!r}: per_actor must be None or >= 1")
-        if not (self.retention == math.inf or _seconds_in(self.retention, 0.0, MAX_RETENTION)):
+        if not count_in(self.max_in_flight, 1):
+            raise ConfigurationError(
+                f"family {self.name!r}: max_in_flight must be a whole number from 1 to "
+                f"{MAX_COUNT}, got {self.max_in_flight!r}"
+            )
+        if self.per_actor is not None and not count_in(self.per_actor, 1):
+            raise ConfigurationError(
+                f"family {self.name!r}: per_actor must be None or a whole number from 1 to "
+                f"{MAX_COUNT}, got {self.per_actor!r}"
+            )
+        if not (self.retention == math.inf or seconds_in(self.retention, 0.0, MAX_RETENTION)):
             raise ConfigurationError(
                 f"family {self.name!r}: retention must be 0 to {MAX_RETENTION:g} seconds, or "
                 f"math.inf (or timedelta.max) to keep settled rows forever; got {self.retention!r}"
             )
         if self.time_limit is not None and not (
-            _seconds_in(self.time_limit, 0.0, MAX_LEASE) and self.time_limit > 0
+            seconds_in(self.time_limit, 0.0, MAX_LEASE) and self.time_limit > 0
         ):
             raise ConfigurationError(
                 f"family {self.name!r}: time_limit must be None or 0 to {MAX_LEASE:g} seconds"
             )
-        if not isinstance(self.max_lost, int) or self.max_lost < 1:
-            raise ConfigurationError(f"family {self.name!r}: max_lost must be >= 1")
+        if not count_in(self.max_lost, 1):
+            raise ConfigurationError(
+                f"family {self.name!r}: max_lost must be a whole number from 1 to {MAX_COUNT}, "
+                f"got {self.max_lost!r}"
+            )
         if self.batch is not None and (
             isinstance(self.batch, bool)
             or not isinstance(self.batch, int)

@@ -6,11 +6,13 @@ that are not ours (pickle, raw bodies, unknown task names)."""
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from celery import Celery
 
 import outbox_dispatch
 from outbox_dispatch import (
+    Backoff,
     ConfigurationError,
     Context,
     Dispatcher,
@@ -30,6 +33,7 @@ from outbox_dispatch import (
     Message,
     Outcome,
     PermanentFailure,
+    RetryLater,
 )
 from outbox_dispatch.wiring import DELIVER_TASK
 from tests.conftest import count_rows
@@ -410,3 +414,183 @@ def test_json_is_the_only_content_any_side_of_the_app_accepts(dispatcher: Dispat
         code = source.read_text("utf-8")
         for module in ("pickle", "cPickle", "dill", "shelve", "marshal"):
             assert f"import {module}" not in code, f"{source} imports {module}"
+
+
+# -- options at the edge of their type ----------------------------------------------------------
+
+_NOWHERE = "postgresql://nobody@127.0.0.1:1/none"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_attempts": 2**31},  # int4 in SQL: every claim of the family failed in Postgres
+        {"max_in_flight": 2**31},
+        {"max_lost": 2**31},
+        {"max_attempts": 2.7},
+        {"max_in_flight": True},
+        {"per_actor": True},  # the claim then blamed Redis for the bool, forever
+        {"ordered": "false"},  # a non-empty string is truthy: an ordered family
+        {"parked_blocks": "no"},
+        {"backoff": "exp"},  # it failed at the first retry, after the handler had run
+        {"backoff": (1, 2, 0)},
+        {"lease": "90"},
+    ],
+    ids=repr,
+)
+def test_family_options_at_the_edge_of_their_type_are_refused_when_declared(
+    options: dict[str, Any],
+) -> None:
+    app = Celery("edges", broker="memory://", set_as_current=False)
+    d = Dispatcher(app, database_url=_NOWHERE, redis_url="redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigurationError) as raised:
+        d.family("edgy", **options)
+    assert next(iter(options)) in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "backoff", [{"base": True}, {"jitter": True}, {"base": "1"}, {"jitter": math.nan}], ids=repr
+)
+def test_backoff_takes_numbers_only(backoff: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError, match="backoff"):
+        Backoff(**backoff)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"claim_interval": math.nan},  # NaN <= 0 is False: it passed, and beat failed on it
+        {"claim_interval": math.inf},
+        {"prune_interval": 0},
+        {"prune_interval": math.nan},
+        {"prune_batch": -1},  # every prune pass failed: retention was never enforced
+        {"prune_batch": math.nan},
+        {"claim_batch": 2.5},
+        {"claim_batch": 2**63},
+        {"payload_limit": math.nan},  # the limit was off
+        {"pool_size": "1"},
+        {"handoff": "no"},
+        {"listen": 1},
+    ],
+    ids=repr,
+)
+def test_dispatcher_options_at_the_edge_of_their_type_are_refused(
+    options: dict[str, Any],
+) -> None:
+    app = Celery("edges2", broker="memory://", set_as_current=False)
+    with pytest.raises(ConfigurationError) as raised:
+        Dispatcher(app, database_url=_NOWHERE, **options)
+    assert next(iter(options)) in str(raised.value)
+
+
+def test_the_largest_counts_a_family_takes_work_in_postgres(
+    dispatcher: Dispatcher, database_url: str
+) -> None:
+    """The bounds above are the SQL's: at them, a family's rows are claimed and delivered."""
+    dispatcher.family("widest", max_attempts=2**31 - 1, max_in_flight=2**31 - 1, max_lost=2**31 - 1)
+    cmd = f"t.wide.{uuid.uuid4().hex[:6]}"
+    dispatcher.handler(cmd, family="widest")(lambda ctx, payload: None)
+    row = _enqueue(dispatcher, database_url, cmd)
+    assert dispatcher.drain(timeout=5).delivered == 1
+    assert count_rows(database_url, dispatcher.schema, f"id = {row}") == 0
+
+
+def test_handlers_that_cannot_run_are_refused_when_registered(dispatcher: Dispatcher) -> None:
+    async def later(ctx: Context, payload: Any) -> None:  # its rows once settled unrun
+        raise AssertionError("never awaited")
+
+    with pytest.raises(ConfigurationError, match="async"):
+        dispatcher.handler("t.async", family="quick")(later)
+    with pytest.raises(ConfigurationError, match="function"):
+        dispatcher.handler("t.none", family="quick")(None)  # type: ignore[arg-type]
+    # command names Postgres cannot store: every enqueue of them failed
+    for bad in ["t.nul\x00", "t.\udfff"]:
+        with pytest.raises(InvalidIdentifier):
+            dispatcher.handler(bad, family="quick")(lambda ctx, payload: None)
+        with pytest.raises(InvalidIdentifier):
+            dispatcher.declare(bad, family="quick")
+    assert dispatcher.registry.registration("t.async") is None
+
+
+def test_a_handler_that_returns_a_coroutine_is_parked_not_delivered(
+    dispatcher: Dispatcher, database_url: str
+) -> None:
+    """A plain function wrapping an async one (a decorator, functools.partial) gets past the
+    registration check: its row must not be settled as delivered, since its work never ran."""
+    ran: list[int] = []
+
+    async def work(row_id: int) -> None:
+        ran.append(row_id)
+
+    cmd = f"t.coro.{uuid.uuid4().hex[:6]}"
+    dispatcher.handler(cmd, family="quick")(lambda ctx, payload: work(ctx.row_id))
+    row = _enqueue(dispatcher, database_url, cmd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine was never awaited" would be a warning
+        report = dispatcher.drain(timeout=5)
+    assert report.count(Outcome.PARKED) == 1
+    found = _row(database_url, dispatcher.schema, row)
+    assert "nothing awaits" in found["last_error"] and found["attempts"] == 1
+    assert ran == []
+
+
+@pytest.mark.parametrize(
+    ("delay", "retried_in"),
+    [(timedelta(seconds=30), 30.0), ("5", None), (math.inf, None), (None, None)],
+    ids=repr,
+)
+def test_retry_later_takes_seconds_or_a_timedelta_and_says_so_otherwise(
+    delay: Any,
+    retried_in: float | None,
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+) -> None:
+    """A bad RetryLater delay fails in the handler, as any error does: retried with the
+    family's backoff, its last_error saying why. It used to fail at the settle, after the
+    handler ran, and the attempt was lost (run again with maybe_applied, then parked)."""
+
+    def asks(ctx: Context, payload: Any) -> None:
+        raise RetryLater(delay, "not yet")
+
+    cmd = commands(family="quick", fn=asks)
+    row = _enqueue(dispatcher, database_url, cmd)
+    [claimed] = dispatcher.claimer.claim_family(dispatcher.families["quick"]).claimed
+    result = dispatcher.delivery.deliver(claimed.id, claimed.token, family_hint="quick")
+    assert result.outcome is Outcome.RETRIED
+    found = _row(database_url, dispatcher.schema, row)
+    assert not found["maybe_applied"]
+    if retried_in is not None:
+        assert result.due_in == retried_in and found["last_error"] == "not yet"
+    else:
+        assert "RetryLater delay must be seconds" in found["last_error"]
+
+
+def test_a_row_whose_delivery_fails_outside_its_handler_does_not_hold_up_its_batch(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """In a batched message, one row whose settle raises (here a statement refused for that
+    row alone) is that row's problem: the rows after it run now. They used to stay claimed,
+    unrun, until their lease (10 s here, 60 s by default)."""
+    seen: list[int] = []
+    cmd = commands(family="bulk", fn=lambda ctx, payload: seen.append(ctx.row_id))  # batch=10
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(5)])
+    delivery = dispatcher.delivery
+    settle = delivery._settle
+
+    def refuses_one(kind: Any, started: Any, *args: Any, **kwargs: Any) -> Any:
+        if started.id == ids[1]:
+            raise psycopg.errors.DataError("value out of range for this row")
+        return settle(kind, started, *args, **kwargs)
+
+    delivery._settle = refuses_one  # type: ignore[method-assign]
+    try:
+        claimed = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
+        results = delivery.deliver_batch([(c.id, c.token) for c in claimed], family_hint="bulk")
+    finally:
+        del delivery._settle
+    assert seen == ids
+    assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.LOST] + [
+        Outcome.DELIVERED
+    ] * 3
