@@ -60,7 +60,15 @@ from .runstats import RunStats, RunTimes
 from .settle import Outcome
 from .store import Store
 from .task_options import TaskCall
-from .validation import DEFAULT_PAYLOAD_LIMIT, Message, PreparedRow, encode_payload, prepare
+from .validation import (
+    DEFAULT_PAYLOAD_LIMIT,
+    Message,
+    PreparedRow,
+    encode_payload,
+    prepare,
+    row_ids,
+)
+from .validation import row_id as valid_row_id
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -789,6 +797,7 @@ class Dispatcher:
         """Parked rows due again with attempts reset; in an ordered family they get back in line
         behind the actor's head (or become it). Row ids are per database: with several, ids
         need ``database``; without ids, every database's (or the named one's) rows."""
+        ids = row_ids(ids)
         ordered = self._ordered_families()
         return [
             i
@@ -805,6 +814,7 @@ class Dispatcher:
     ) -> list[int]:
         """Delete parked rows; an ordered actor whose parked head is gone gets its next row.
         Databases are chosen as for ``parked_retry``."""
+        ids = row_ids(ids)
         ordered = self._ordered_families()
         return [
             i
@@ -816,6 +826,8 @@ class Dispatcher:
         self, *, family: str | None = None, limit: int = 100, database: str | None = None
     ) -> list[dict[str, Any]]:
         """Parked rows, oldest first, up to ``limit`` per database; each names its database."""
+        if not count_in(limit, 0):
+            raise InvalidArgument(f"limit must be a whole number from 0, got {limit!r}")
         return [
             {"database": db.name, **row}
             for db in self.chosen_databases(database)
@@ -859,8 +871,8 @@ class Dispatcher:
         """
         if row_id is None and dedupe_key is None and actor is None:
             raise InvalidArgument("cancel needs a row id, a dedupe_key, or an actor")
-        if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, int)):
-            raise InvalidArgument(f"row_id must be an int, got {type(row_id).__name__}")
+        if row_id is not None:
+            valid_row_id(row_id)
         for what, value in (
             ("dedupe_key", dedupe_key),
             ("actor", actor),

@@ -217,7 +217,7 @@ def _expiry(name: str, value: Any, now: datetime, tz: tzinfo) -> datetime:
     if isinstance(value, int | float) and not isinstance(value, bool):
         try:
             return now + timedelta(seconds=value)
-        except OverflowError as exc:
+        except (OverflowError, ValueError) as exc:  # ValueError: NaN
             raise InvalidArgument(f"{name}: expires {value!r} is out of range") from exc
     return _aware(name, "expires", value, tz)
 

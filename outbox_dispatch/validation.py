@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .errors import InvalidArgument, InvalidPayload, PayloadTooLarge
@@ -52,6 +52,8 @@ def encode_payload(payload: Any, limit: int, what: str = "payload") -> str:
     progress); rejects NaN/Infinity and non-string keys instead of coercing."""
     try:
         text = json.dumps(payload, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError as exc:
+        raise InvalidPayload(f"{what} is nested too deeply to encode as JSON: flatten it") from exc
     except (TypeError, ValueError) as exc:
         raise InvalidPayload(
             f"{what} is not JSON-serializable ({exc}): pass dicts, lists, str, int, float, "
@@ -110,6 +112,28 @@ def _optional_key(value: object, what: str) -> str | None:
     return value
 
 
+MAX_ROW_ID = 2**63 - 1  # ids are bigint
+
+
+def row_id(value: object, what: str = "row_id") -> int:
+    """A row id as given by a caller: an int within bigint (another family's id, or one that
+    does not exist, simply matches nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{what} must be an int, got {type(value).__name__}")
+    if not -MAX_ROW_ID - 1 <= value <= MAX_ROW_ID:
+        raise InvalidArgument(f"{what} {value} is out of range: row ids are 64-bit")
+    return value
+
+
+def row_ids(values: object) -> list[int] | None:
+    """A list of row ids (None: not given)."""
+    if values is None:
+        return None
+    if isinstance(values, str | bytes) or not isinstance(values, list | tuple | set | frozenset):
+        raise InvalidArgument(f"ids must be a list of ints, got {type(values).__name__}")
+    return [row_id(v, "ids") for v in values]
+
+
 def due_offset(delay: object, at: object) -> tuple[float, datetime | None]:
     """Seconds from the database's now, or an absolute aware instant; never both."""
     if delay is not None and at is not None:
@@ -131,6 +155,12 @@ def due_offset(delay: object, at: object) -> tuple[float, datetime | None]:
             raise InvalidArgument(f"at must be a datetime, got {type(at).__name__}")
         if at.tzinfo is None or at.utcoffset() is None:
             raise InvalidArgument("at must be timezone-aware (for example datetime.now(UTC))")
+        if at > datetime.now(UTC) + MAX_DELAY:
+            # as for delay; near year 9999 the stored instant could not be read back
+            raise InvalidArgument(
+                f"at must be at most {MAX_DELAY.days} days ahead, got {at.isoformat()}: for a "
+                "row that should never run, do not enqueue it"
+            )
         return 0.0, at
     return 0.0, None
 

@@ -72,6 +72,14 @@ def other_app() -> Iterator[Callable[..., Dispatcher]]:
 
 # -- enqueue and cancel checks ------------------------------------------------------------------
 
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 # enqueue inputs beyond test_enqueue.BAD_INPUTS; test_enqueue runs both lists
 MORE_BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception]]] = [
     ("actor too long", {"actor": "a" * 513}, InvalidArgument),
@@ -87,6 +95,8 @@ MORE_BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception]]] = [
     ("payload tuple key", {"payload": {(1, 2): "a"}}, InvalidPayload),
     ("payload infinity", {"payload": [float("inf")]}, InvalidPayload),
     ("payload deep NUL key", {"payload": {"a": [{"b\x00": 1}]}}, InvalidPayload),
+    ("payload nested too deeply", {"payload": _nested(10_000)}, InvalidPayload),  # RecursionError
+    ("at in year 9999", {"at": datetime(9999, 12, 31, 23, tzinfo=UTC)}, InvalidArgument),
 ]
 
 
@@ -107,6 +117,7 @@ def test_enqueue_many_refuses_what_is_not_a_message(
         ({}, "needs a row id, a dedupe_key, or an actor"),
         ({"row_id": "7"}, "row_id must be an int"),
         ({"row_id": True}, "row_id must be an int"),
+        ({"row_id": 2**63}, "out of range"),  # it reached Postgres as a DatabaseError
         ({"dedupe_key": 7}, "dedupe_key must be a str"),
         ({"actor": b"a"}, "actor must be a str"),
         ({"actor": "a", "command": 3}, "command must be a str"),
@@ -584,7 +595,7 @@ def test_a_row_whose_delivery_fails_outside_its_handler_does_not_hold_up_its_bat
             raise psycopg.errors.DataError("value out of range for this row")
         return settle(kind, started, *args, **kwargs)
 
-    delivery._settle = refuses_one  # type: ignore[method-assign]
+    delivery._settle = refuses_one  # type: ignore[method-assign,assignment]
     try:
         claimed = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
         results = delivery.deliver_batch([(c.id, c.token) for c in claimed], family_hint="bulk")
@@ -594,3 +605,17 @@ def test_a_row_whose_delivery_fails_outside_its_handler_does_not_hold_up_its_bat
     assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.LOST] + [
         Outcome.DELIVERED
     ] * 3
+
+
+def test_parked_operations_refuse_ids_and_limits_that_are_not_row_ids(
+    dispatcher: Dispatcher,
+) -> None:
+    """They reached Postgres (a DatabaseError for 2**63 or limit -1) or were coerced ("1")."""
+    for bad in (["1"], [True], [2**63], "12", 7):
+        with pytest.raises(InvalidArgument, match="ids"):
+            dispatcher.parked_retry(ids=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="ids"):
+            dispatcher.parked_purge(ids=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="limit"):
+        dispatcher.parked_list(limit=-1)
+    assert dispatcher.parked_retry(ids=[]) == [] and dispatcher.parked_list(limit=0) == []

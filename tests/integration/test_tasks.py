@@ -497,3 +497,13 @@ def test_a_dedupe_key_held_by_another_task_is_refused_and_ids_match(
         a.apply_async(queue="Emails")
     with tx(), pytest.raises(UnknownFamily, match="claim queue is the outbox's own"):
         a.apply_async(queue="outbox.claim")
+
+
+def test_an_expiry_of_nan_seconds_is_refused_at_the_call(
+    task: Callable[..., Any], tx: Any, database_url: str, schema: str
+) -> None:
+    """It escaped as a raw ValueError from timedelta; now InvalidArgument, and no row."""
+    t = task()
+    with tx(), pytest.raises(InvalidArgument, match="expires"):
+        t.apply_async((1,), expires=float("nan"))
+    assert count_rows(database_url, schema) == 0
