@@ -19,7 +19,8 @@ handed-off message that Celery rejects for requeue (its pool process died: acks_
 reject_on_worker_lost), or that has not started when this worker's consumer stops (a warm
 shutdown, a lost broker connection), is published to the broker then, as kombu restores its
 unacknowledged messages, so another worker runs it at once; if it started meanwhile, the
-published copy is refused as stale by the claim token.
+published copy is refused as stale by the claim token. When that publish fails too (the
+broker is what went away), the messages wait here and run when the consumer starts again.
 
 Not handed off: messages of queues this worker does not consume, and any message while
 something listens to Celery's publish signals or asked for task-sent events (the publisher
@@ -103,6 +104,11 @@ class LocalHandoff:
             self._consumer, self._handler, self._pid = consumer, handler, os.getpid()
             self._queues_at = 0.0
         hub.add_reader(reader, self._drain)
+        with self._lock:
+            waiting = bool(self._pending)
+        if waiting:  # kept from a stop whose publish failed: run them now
+            with contextlib.suppress(OSError):
+                writer.send(b"\0")
 
     def detach(self) -> None:
         """Stop taking messages (a consumer bootstep's stop): what was taken and has not
@@ -180,13 +186,19 @@ class LocalHandoff:
         for queue, wires in by_queue.items():
             try:
                 self.republish(queue, wires)
-            except Exception as exc:  # the rows' leases bring them back
+            except Exception as exc:
+                # the broker is away (a consumer stops so when its connection drops): they wait
+                # here, and a restart of the consumer gives them to Celery; without one, the
+                # rows' leases bring them back
+                with self._lock:
+                    self._pending.extend((queue, w) for w in wires)
                 event(
                     log,
                     logging.WARNING,
                     "handoff_republish_failed",
                     f"{len(wires)} handed-off messages of {queue} {why}, and could not be "
-                    f"published ({exc!r}); their rows are claimed again after their lease",
+                    f"published ({exc!r}); they wait for this worker's consumer to start "
+                    "again, else their rows are claimed again after their lease",
                 )
             else:
                 event(

@@ -269,3 +269,35 @@ def test_a_running_message_given_back_after_the_consumer_stopped_goes_to_the_bro
         assert [t for _q, tags in published for t in tags] == [*running, tag]
     finally:
         release.set()
+
+
+def test_messages_a_stopping_consumer_cannot_publish_run_when_it_starts_again(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
+) -> None:
+    """A consumer stops because its broker connection dropped, with a claimed message taken
+    and not yet given to Celery: the stop's publish fails as well. The message must run when
+    the consumer starts again (the broker is back), not wait out its row's lease."""
+    h, sent = handoff
+    ran = threading.Event()
+    cmd = commands(family="quick", fn=lambda ctx, payload: ran.set())
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        dispatcher.enqueue(conn, cmd, {})
+
+    def broker_away(queue: str, wires: Any) -> None:
+        raise ConnectionError("Error 111 connecting to the broker")
+
+    hooked = _Hooked(h._lock, threading.get_ident())
+    h._lock = hooked  # type: ignore[assignment]
+    republish, h.republish = h.republish, broker_away
+    hooked.hook = lambda: in_loop(worker, h.detach)  # between the take and its wake-up
+    assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
+    assert hooked.hook is None
+    assert not ran.wait(0.3)  # the consumer is stopped
+    h.republish = republish
+    in_loop(worker, lambda: h.attach(worker.consumer))  # the broker is back
+    assert ran.wait(3), "the kept message did not run when the consumer started again"
+    assert h.handed == 1 and sent == []
