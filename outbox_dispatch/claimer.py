@@ -425,7 +425,7 @@ class Claimer:
         claims them instead of each waiting out its lease while this process lives on."""
         try:
             back = self.store.give_back_claim([(r.id, r.token) for r in rows])
-        except DatabaseError as err:
+        except Exception as err:  # never hide the publish's own error behind this one
             event(
                 log,
                 logging.ERROR,
