@@ -17,6 +17,7 @@ from celery import Celery
 
 from . import metrics, tasks, tracing, wiring
 from .adapters import caller_connection
+from .bounds import MAX_COUNT, MAX_INTERVAL, MAX_ROW_ID, count_in, real_seconds, seconds_in
 from .caps import Caps
 from .claimer import Claimer, ClaimReport
 from .cron import CatchUp, Schedule
@@ -41,16 +42,13 @@ from .maintenance import Maintenance
 from .migrations import migrate
 from .naming import command_name, family_name, identifier
 from .policy import (
-    MAX_COUNT,
     Backoff,
     CapRule,
     Family,
     LostAttempt,
     builtin_families,
     cap_rule,
-    count_in,
     family_is_capped,
-    seconds_in,
 )
 from .pool import Conn
 from .publisher import Publisher, family_command
@@ -78,8 +76,6 @@ if TYPE_CHECKING:
     TxConn = Conn | SAConnection | SASession
 
 log = logging.getLogger(__name__)
-
-MAX_INTERVAL = 30 * 86400.0  # claim_interval and prune_interval: beat's schedule takes no more
 
 
 @dataclass(frozen=True)
@@ -139,17 +135,15 @@ class Dispatcher:
                 raise ConfigurationError(
                     f"{name} must be a whole number from {low} to {MAX_COUNT}, got {count!r}"
                 )
-        for name, flag in (("listen", listen), ("handoff", handoff)):
+        for name, flag in (
+            ("listen", listen),
+            ("handoff", handoff),
+            ("flushed_starts", flushed_starts),
+        ):
             if not isinstance(flag, bool):
                 raise ConfigurationError(f"{name} must be True or False, got {flag!r}")
-        if consumers is not None and (
-            isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1
-        ):
+        if consumers is not None and not count_in(consumers, 1):
             raise ConfigurationError(f"consumers must be None or >= 1, got {consumers!r}")
-        if not isinstance(flushed_starts, bool):
-            raise ConfigurationError(
-                f"flushed_starts must be True or False, got {flushed_starts!r}"
-            )
         if task_outside not in tasks.OUTSIDE:
             raise ConfigurationError(
                 f"task_outside must be one of {list(tasks.OUTSIDE)}, got {task_outside!r}"
@@ -413,8 +407,11 @@ class Dispatcher:
         the settle commit together or not at all."""
         command_name(command)
         if per_actor is not None:
-            if isinstance(per_actor, bool) or not isinstance(per_actor, int) or per_actor < 1:
-                raise ConfigurationError(f"per_actor must be None or >= 1, got {per_actor!r}")
+            if not count_in(per_actor, 1):
+                raise ConfigurationError(
+                    f"per_actor must be None or a whole number from 1 to {MAX_COUNT}, "
+                    f"got {per_actor!r}"
+                )
             self._need_redis(f"handler {command!r} with per_actor={per_actor}")
             fam = self.families.get(family)
             if fam is not None and fam.ordered:
@@ -823,11 +820,12 @@ class Dispatcher:
         ]
 
     def parked_list(
-        self, *, family: str | None = None, limit: int = 100, database: str | None = None
+        self, *, family: str | None = None, limit: int | None = 100, database: str | None = None
     ) -> list[dict[str, Any]]:
-        """Parked rows, oldest first, up to ``limit`` per database; each names its database."""
-        if not count_in(limit, 0):
-            raise InvalidArgument(f"limit must be a whole number from 0, got {limit!r}")
+        """Parked rows, oldest first, up to ``limit`` per database (None: all); each names its
+        database."""
+        if limit is not None and not count_in(limit, 0, MAX_ROW_ID):
+            raise InvalidArgument(f"limit must be None or a whole number from 0, got {limit!r}")
         return [
             {"database": db.name, **row}
             for db in self.chosen_databases(database)
@@ -983,7 +981,10 @@ class Dispatcher:
 
 
 def _seconds(value: float | timedelta) -> float:
-    return value.total_seconds() if isinstance(value, timedelta) else value
+    """Seconds as a float from any real number or a timedelta; anything else is passed on
+    for the family's own check to refuse with its name."""
+    seconds = real_seconds(value)
+    return value if seconds is None else seconds  # type: ignore[return-value]
 
 
 def _retention_seconds(retention: object) -> float:

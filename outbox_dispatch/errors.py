@@ -8,6 +8,10 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
+from .bounds import MAX_DELAY, real_seconds
+
+_MOST_DELAY = MAX_DELAY.total_seconds()
+
 
 class OutboxError(Exception):
     """An outbox_dispatch error."""
@@ -103,23 +107,22 @@ class RetryLater(OutboxError):
     max_attempts still applies; then the row is parked)."""
 
     def __init__(self, delay: float | timedelta, message: str | None = None) -> None:
-        from .policy import MAX_BACKOFF, seconds_in  # policy imports this module
-
-        seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
-        if not seconds_in(seconds, -math.inf, MAX_BACKOFF):
+        seconds = real_seconds(delay)
+        if seconds is None or not (math.isfinite(seconds) and seconds <= _MOST_DELAY):
             # refused here, in the handler: it fails as any error does (retried with backoff,
             # its row's last_error says why); found at the settle, it lost the attempt
-            wrong = (
-                TypeError
-                if isinstance(seconds, bool) or not isinstance(seconds, int | float)
-                else ValueError
-            )
+            wrong = TypeError if seconds is None else ValueError
             raise wrong(
-                f"RetryLater delay must be seconds (a number, or a timedelta) up to "
-                f"{MAX_BACKOFF:g}, got {delay!r}"
+                "RetryLater delay must be seconds (a number, or a timedelta) up to "
+                f"{MAX_DELAY.days} days, got {delay!r}"
             )
         super().__init__(message)
-        self.delay = float(seconds)
+        self.delay = seconds
+        self._message = message
+
+    def __reduce__(self) -> tuple[type[RetryLater], tuple[float, str | None]]:
+        # rebuilt from its own arguments (pickled by a pool, copied), not from Exception.args
+        return (type(self), (self.delay, self._message))
 
 
 class OutsideTransaction(OutboxError):

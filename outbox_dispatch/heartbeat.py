@@ -47,7 +47,7 @@ class Running:
     run_lease: float  # the family's heartbeat timeout: each renewal extends the lease this far
     renew_slot: Callable[[], SlotState] | None
     next_at: float
-    progress: Any = None
+    progress: str | None = None  # JSON text, encoded when the handler gave it
     stop: StopReason | None = None
     holds: bool = True  # False once the lease is not renewed any more (lost, lapsed, overrun)
     soft_deadline: float | None = None  # monotonic: past it the handler is told to stop
@@ -100,13 +100,13 @@ class Heartbeats:
         """A handler's own ``ctx.heartbeat()``: renew at once; False if it must stop.
         Progress that jsonb cannot hold is refused here, before it is kept: every renewal of
         the entry sends it, so kept, it would fail them all and the lease would lapse while the
-        handler runs."""
+        handler runs (and with it every lease renewed in the same statement)."""
         entry = self.running(key)
         if entry is None:
             return False
         if progress is not None:
-            encode_payload(progress, DEFAULT_PAYLOAD_LIMIT, "heartbeat progress")
-            entry.progress = progress
+            # kept as text: a value the handler changes afterwards cannot fail a renewal
+            entry.progress = encode_payload(progress, DEFAULT_PAYLOAD_LIMIT, "heartbeat progress")
         self._renew([entry])
         return not entry.ctx.cancelled.is_set()
 

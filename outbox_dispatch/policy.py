@@ -11,34 +11,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from .bounds import MAX_BACKOFF, MAX_COUNT, MAX_LEASE, MAX_RETENTION, count_in, seconds_in
 from .errors import ConfigurationError
 from .naming import family_name
 
-# Bounds that keep every interval the SQL computes inside Postgres' timestamp range: a value
-# past them would fail in a statement, in the middle of a claim, settle or prune.
-MAX_LEASE = 30 * 86400.0  # 30 days
-MAX_RETENTION = 100 * 365.25 * 86400  # 100 years; math.inf keeps rows forever
-MAX_BACKOFF = 365.25 * 86400  # one year
 MAX_BATCH = 1000  # rows one delivery message may carry
 ADAPTIVE_BATCH = 100  # the most rows per message a family with batch=None is packed with
-# Counts the SQL takes as int parameters (limits, attempts): one past this failed every claim
-# of the family in Postgres ("integer out of range"), forever.
-MAX_COUNT = 2**31 - 1
-
-
-def seconds_in(value: object, low: float, high: float) -> bool:
-    """A real number of seconds in [low, high] (NaN, inf and bools are not)."""
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and low <= value <= high
-    )
-
-
-def count_in(value: object, low: int, high: int = MAX_COUNT) -> bool:
-    """A whole number in [low, high] (bools, floats and strings are not)."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from uuid import UUID
 import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 from psycopg_pool import PoolTimeout
 
 from .cron import Schedule, due_ticks
@@ -543,15 +542,17 @@ class Store:
             )
         return "row is not deliverable"
 
-    def renew(self, leases: Sequence[tuple[int, UUID, Any]], run_lease: float) -> dict[int, bool]:
-        """Extend the given (id, token, progress) leases by ``run_lease``; returns id -> cancel
-        requested, for the leases still held (a missing id lost its claim)."""
+    def renew(
+        self, leases: Sequence[tuple[int, UUID, str | None]], run_lease: float
+    ) -> dict[int, bool]:
+        """Extend the given (id, token, progress as JSON text) leases by ``run_lease``; returns
+        id -> cancel requested, for the leases still held (a missing id lost its claim)."""
         if not leases:
             return {}
         params = {
             "ids": [i for i, _, _ in leases],
             "tokens": [t for _, t, _ in leases],
-            "progress": [None if p is None else Jsonb(p) for _, _, p in leases],
+            "progress": [p for _, _, p in leases],  # cast to jsonb[] by the statement
             "run_lease": run_lease,
         }
         with translated("lease renewal"), self.connection() as conn:
@@ -750,7 +751,9 @@ class Store:
             for r in rows
         ]
 
-    def parked_list(self, *, family: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+    def parked_list(
+        self, *, family: str | None = None, limit: int | None = 100
+    ) -> list[dict[str, Any]]:
         with (
             translated("parked list"),
             self._starting() as conn,

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from .bounds import MAX_DELAY, MAX_ROW_ID
 from .errors import InvalidArgument, InvalidPayload, PayloadTooLarge
 
 MAX_KEY_LENGTH = 512
 DEFAULT_PAYLOAD_LIMIT = 256 * 1024
 # Far enough for any schedule, near enough that now() + delay stays inside Postgres' range
 # (a longer one would fail in SQL and leave the caller's transaction aborted).
-MAX_DELAY = timedelta(days=100 * 366)
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,6 @@ def _optional_key(value: object, what: str) -> str | None:
     except UnicodeEncodeError as exc:
         raise InvalidArgument(f"{what} is not valid Unicode ({exc.reason})") from exc
     return value
-
-
-MAX_ROW_ID = 2**63 - 1  # ids are bigint
 
 
 def row_id(value: object, what: str = "row_id") -> int:

@@ -114,7 +114,9 @@ def test_progress_that_is_not_json_is_refused_at_the_call_and_the_lease_still_re
     @life.handler(cmd, family="short")  # heartbeat timeout 1 s: renewed every 0.33 s
     def slow(ctx: Context, payload: Any) -> None:
         runs.append(ctx.attempt)
-        assert ctx.heartbeat({"done": 1})
+        progress: dict[str, Any] = {"done": 1}
+        assert ctx.heartbeat(progress)
+        progress["rate"] = math.nan  # changed after the call: the renewals send what it was
         for bad in ({"at": object()}, {"rate": math.nan}):
             with pytest.raises(InvalidPayload) as raised:
                 ctx.heartbeat(bad)
