@@ -17,7 +17,7 @@ from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
 from .caps_pipelined import HOLD_FOR, Wake
 from .deferred_settles import DeferredSettles, carried
-from .errors import DatabaseUnavailable, PermanentFailure, RetryLater
+from .errors import DatabaseError, PermanentFailure, RetryLater
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
@@ -207,16 +207,19 @@ class Delivery:
                         renew_until=until,
                     )
                 )
-            except DatabaseUnavailable as exc:
-                # the database went down mid-message: the rows not started are claimed again
-                # after their lease, and the finished ones are still settled below
+            except DatabaseError as exc:
+                # the database went down mid-message (or refuses this process's statements):
+                # the rows not started are claimed again after their lease, and the finished
+                # ones are still settled below; each row after it would wait for the same pool
                 rest = pairs[len(results) :]
                 results += [Result(Outcome.STALE, i, str(exc)) for i, _ in rest]
                 break
             except Exception as exc:
-                # one row's failure (a statement refused, a bug of ours) is that row's: if it
-                # started, it is a lost attempt, run again after its heartbeat timeout; the
-                # rows after it still run now, not after their lease
+                if type(exc).__name__ == "SoftTimeLimitExceeded":  # the message's own limit
+                    raise
+                # one row's failure (a bug of ours, a value we did not foresee) is that row's:
+                # if it started, it is a lost attempt, run again after its heartbeat timeout;
+                # the rows after it still run now, not after their lease
                 event(
                     log,
                     logging.ERROR,
