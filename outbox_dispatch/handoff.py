@@ -114,23 +114,22 @@ class LocalHandoff:
         """Stop taking messages (a consumer bootstep's stop): what was taken and has not
         started is published to the broker; what is running stays known, so that it is
         published if Celery gives it back (its pool process died)."""
+        running = _active_ids()
         with self._lock:
             consumer, wake = self._consumer, self._wake
             self._consumer = self._handler = self._wake = None
             waiting = list(self._pending)
             self._pending.clear()
-            outstanding, self._outstanding = self._outstanding, {}
+            waiting += [m for tag, m in self._outstanding.items() if tag not in running]
+            # a running one is still published if its pool process dies (rejected)
+            self._outstanding = {t: m for t, m in self._outstanding.items() if t in running}
         if wake is not None:
             hub = getattr(consumer, "hub", None)
             if hub is not None:
                 hub.remove_reader(wake[0])
             for sock in wake:
                 sock.close()
-        running = _active_ids()
-        waiting += [m for tag, m in outstanding.items() if tag not in running]
-        with self._lock:  # a running one is still published if its pool process dies
-            self._outstanding.update((t, m) for t, m in outstanding.items() if t in running)
-        self._republish(waiting, "the worker's consumer stopped before they started")
+        self._republish(waiting, "the worker's consumer stopped before they started", keep=True)
 
     def _drain(self) -> None:
         """Give the taken messages to Celery, as its broker consumer gives a received one.
@@ -151,7 +150,7 @@ class LocalHandoff:
             # still this worker's to hold, for a take meanwhile, until Celery reserves each
             self._giving = len(batch) if handler is not None else 0
         if handler is None:
-            self._republish(batch, "the worker's consumer stopped before they started")
+            self._republish(batch, "the worker's consumer stopped before they started", keep=True)
             return
         channel = _LocalChannel(self)
         for queue, wire in batch:
@@ -179,7 +178,11 @@ class LocalHandoff:
         if requeue and message is not None:
             self._republish([message], "rejected for requeue (its pool process died)")
 
-    def _republish(self, messages: list[tuple[str, Wire]], why: str) -> None:
+    def _republish(self, messages: list[tuple[str, Wire]], why: str, *, keep: bool = False) -> None:
+        """Publish to the broker what this worker will not run. ``keep``: the consumer stopped,
+        and what cannot be published waits here for its next start (the broker is what went
+        away); otherwise the rows' leases bring them back (a message kept while the consumer
+        runs would count against its room and never be woken)."""
         by_queue: dict[str, list[Wire]] = {}
         for queue, wire in messages:
             by_queue.setdefault(queue, []).append(wire)
@@ -187,18 +190,21 @@ class LocalHandoff:
             try:
                 self.republish(queue, wires)
             except Exception as exc:
-                # the broker is away (a consumer stops so when its connection drops): they wait
-                # here, and a restart of the consumer gives them to Celery; without one, the
-                # rows' leases bring them back
-                with self._lock:
-                    self._pending.extend((queue, w) for w in wires)
+                if keep:
+                    with self._lock:
+                        self._pending.extend((queue, w) for w in wires)
                 event(
                     log,
                     logging.WARNING,
                     "handoff_republish_failed",
                     f"{len(wires)} handed-off messages of {queue} {why}, and could not be "
-                    f"published ({exc!r}); they wait for this worker's consumer to start "
-                    "again, else their rows are claimed again after their lease",
+                    f"published ({exc!r}); "
+                    + (
+                        "they wait for this worker's consumer to start again, else their "
+                        "rows are claimed again after their lease"
+                        if keep
+                        else "their rows are claimed again after their lease"
+                    ),
                 )
             else:
                 event(
