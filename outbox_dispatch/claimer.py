@@ -396,7 +396,7 @@ class Claimer:
                     self._sizes[family.name] = size
                     try:
                         publish(family, result.claimed, size)
-                    except BaseException as exc:
+                    except Exception as exc:  # not at an interrupt: its lease brings it back
                         self._give_back(family, result.claimed, exc)
                         raise
                 _add(report.claimed, family.name, len(result.claimed))
@@ -419,7 +419,7 @@ class Claimer:
                 break
         return report
 
-    def _give_back(self, family: Family, rows: list[Claimed], exc: BaseException) -> None:
+    def _give_back(self, family: Family, rows: list[Claimed], exc: Exception) -> None:
         """A claim committed and its publish failed: its rows not started are due again now,
         and their cap slots go back, so that the next pass (the listener's, within a second)
         claims them instead of each waiting out its lease while this process lives on."""

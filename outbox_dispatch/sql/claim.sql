@@ -198,11 +198,13 @@ RETURNING id;
 
 -- name: claim_give_back
 -- A claim whose messages could not be published (the broker down, a publish that raised): its
--- rows that have not started are due again now, under the claim's token, as if its lease had
--- run out, so the next claim takes them without counting an attempt (a claim that never
--- started is not one). A message of the claim that did go out finds its lease over and is
--- refused at its start; a row that started meanwhile is left to run.
-UPDATE __SCHEMA__.outbox o SET due_at = now()
+-- rows that have not started are due again, under the claim's token, as if its lease had run
+-- out, so the next claim takes them without counting an attempt (a claim that never started
+-- is not one). They are due from when they were due before the claim (due_since), which keeps
+-- their place in line and lies before the start of any message of the claim: a start that
+-- waited on the row's lock re-checks its lease against its own now() and is refused, and a
+-- message that did go out is refused the same way. A row that started first is left to run.
+UPDATE __SCHEMA__.outbox o SET due_at = coalesce(o.due_since, o.claimed_at)
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS g(id, token)
 WHERE o.id = g.id AND o.claim_token = g.token AND o.started_at IS NULL
 RETURNING o.id;
