@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 REFILL = 0.05  # seconds between claims of a family held back by its in-flight limit
 SAFETY_INTERVAL = 10.0  # seconds between beat's claim passes while commit listeners run
+RETRY_FIRST = 0.5  # seconds before the listener claims again after a failed pass
+RETRY_MOST = 8.0  # ... doubled after each further failure, up to this
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class CommitListener:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.leading = threading.Event()
+        self._failures = 0  # claim passes failed in a row (not Postgres lost: that retries at 1 s)
 
     def start(self) -> None:
         self._stop.clear()
@@ -155,8 +158,17 @@ class CommitListener:
                 )
                 self._stop.wait(1.0)
             except Exception as exc:  # a claim failed: log it, keep listening
-                event(log, logging.ERROR, "listener_claim_failed", repr(exc))
-                self._stop.wait(0.5)
+                # a broker that stays away fails every pass, each claiming and giving back a
+                # batch of rows: the passes back off, from 0.5 s to RETRY_MOST
+                self._failures += 1
+                wait = min(RETRY_FIRST * 2 ** (self._failures - 1), RETRY_MOST)
+                event(
+                    log,
+                    logging.ERROR,
+                    "listener_claim_failed",
+                    f"{exc!r}; claiming again in {wait:g} s",
+                )
+                self._stop.wait(wait)
 
     def _serve(self) -> None:
         with psycopg.connect(self.database_url, autocommit=True) as conn:
@@ -176,6 +188,7 @@ class CommitListener:
             # commits made while no listener listened (workers starting, a listener taking
             # over) sent notifications nobody received: one pass claims them now, not at beat's
             report = self.claim(None)
+            self._failures = 0
             saturated = _held_back(report)
             next_sweep = self._next_sweep()
             while not self._stop.is_set():

@@ -169,3 +169,46 @@ def test_a_saturated_family_is_claimed_again_until_its_backlog_is_gone(
         assert min(gaps) >= 0.045, gaps  # the refill interval, not a spin
     finally:
         listener.stop()
+
+
+def test_failing_claim_passes_back_off_and_a_pass_that_works_resets_them(
+    dispatcher: Dispatcher,
+    database_url: str,
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broker that stays away fails every claim pass, and each pass claims and gives back a
+    batch of rows: the listener waits longer after each failure (here 10, 20, 40 ms, then
+    40), and once a pass works the next failure waits the first interval again."""
+    monkeypatch.setattr("outbox_dispatch.listener.RETRY_FIRST", 0.01)
+    monkeypatch.setattr("outbox_dispatch.listener.RETRY_MOST", 0.04)
+    outcomes = iter([False] * 4 + [True, False])  # False: the pass raises
+    worked, done = threading.Event(), threading.Event()
+
+    def claim(families: list[str] | None) -> ClaimReport:
+        works = next(outcomes, None)
+        if works is None:
+            done.set()
+        elif not works:
+            raise ConnectionError("Error 111 connecting to the broker")
+        else:
+            worked.set()
+        return ClaimReport()
+
+    listener = CommitListener(database_url, schema, dispatcher.store.channel, claim)
+    with caplog.at_level("ERROR", logger="outbox_dispatch.listener"):
+        listener.start()
+        try:
+            assert worked.wait(10)
+            time.sleep(0.1)  # listening again
+            dispatcher.store.request_claim("intent")  # a wake: its pass fails
+            assert done.wait(10)
+        finally:
+            listener.stop()
+    waits = [
+        r.getMessage().rsplit("claiming again in ", 1)[1]
+        for r in caplog.records
+        if "listener_claim_failed" in r.getMessage()
+    ]
+    assert waits == ["0.01 s", "0.02 s", "0.04 s", "0.04 s", "0.01 s"], waits
