@@ -52,6 +52,28 @@ def _row(url: str, schema: str, row_id: int) -> dict[str, Any]:
     return found
 
 
+def _deliver_while_a_rival_claims(life: Dispatcher, row_id: int) -> list[int]:
+    """Deliver ``row_id`` (family ``short``) while another claimer tries every 0.1 s to take
+    the family's rows, which it gets only if their lease lapsed; the rows it took."""
+    stolen: list[int] = []
+    stop = threading.Event()
+
+    def rival() -> None:
+        while not stop.is_set():
+            stolen.extend(c.id for c in life.claimer.claim_family(life.families["short"]).claimed)
+            time.sleep(0.1)
+
+    result = life.claimer.claim_family(life.families["short"])
+    t = threading.Thread(target=rival)
+    t.start()
+    try:
+        assert life.delivery.deliver(row_id, result.claimed[0].token).outcome is Outcome.DELIVERED
+    finally:
+        stop.set()
+        t.join()
+    return stolen
+
+
 def test_heartbeat_keeps_a_long_handler_from_being_claimed_again(
     life: Dispatcher, database_url: str
 ) -> None:
@@ -64,24 +86,8 @@ def test_heartbeat_keeps_a_long_handler_from_being_claimed_again(
         time.sleep(2.5)
 
     row_id = _one(life, database_url, cmd)
-    stolen: list[int] = []
-    stop = threading.Event()
-
-    def rival() -> None:  # another claimer that would take the row if its lease lapsed
-        while not stop.is_set():
-            stolen.extend(c.id for c in life.claimer.claim_family(life.families["short"]).claimed)
-            time.sleep(0.1)
-
-    t = threading.Thread(target=rival)
-    result = life.claimer.claim_family(life.families["short"])
-    t.start()
-    try:
-        assert life.delivery.deliver(row_id, result.claimed[0].token).outcome is Outcome.DELIVERED
-    finally:
-        stop.set()
-        t.join()
+    assert _deliver_while_a_rival_claims(life, row_id) == []
     assert runs == [1]
-    assert stolen == []
 
 
 def test_progress_is_recorded_by_ctx_heartbeat(life: Dispatcher, database_url: str) -> None:
@@ -125,24 +131,8 @@ def test_progress_that_is_not_json_is_refused_at_the_call_and_the_lease_still_re
         time.sleep(2.5)
 
     row_id = _one(life, database_url, cmd)
-    stolen: list[int] = []
-    stop = threading.Event()
-
-    def rival() -> None:  # another claimer that would take the row if its lease lapsed
-        while not stop.is_set():
-            stolen.extend(c.id for c in life.claimer.claim_family(life.families["short"]).claimed)
-            time.sleep(0.1)
-
-    result = life.claimer.claim_family(life.families["short"])
-    t = threading.Thread(target=rival)
-    t.start()
-    try:
-        assert life.delivery.deliver(row_id, result.claimed[0].token).outcome is Outcome.DELIVERED
-    finally:
-        stop.set()
-        t.join()
+    assert _deliver_while_a_rival_claims(life, row_id) == []
     assert runs == [1]
-    assert stolen == []
     assert len(errors) == 2, errors
     assert all("heartbeat progress" in e and "JSON" in e for e in errors), errors
     assert seen == [{"done": 1}]
