@@ -16,7 +16,10 @@ MAX_LEASE = 30 * 86400.0  # a family's lease, heartbeat timeout and time limit: 
 MAX_INTERVAL = MAX_LEASE  # claim_interval and prune_interval
 MAX_RETENTION = 100 * 365.25 * 86400  # 100 years; math.inf keeps rows forever
 MAX_BACKOFF = 365.25 * 86400  # a backoff's cap: one year
-MAX_DELAY = timedelta(days=100 * 366)  # enqueue's delay and at=, and a handler's RetryLater
+# enqueue's delay and at=, and a handler's RetryLater: far enough for any schedule, near
+# enough that now() + delay stays inside Postgres' range (a longer one failed in SQL and left
+# the caller's transaction aborted) and that psycopg can read the instant back
+MAX_DELAY = timedelta(days=100 * 366)
 # Counts the SQL takes as int parameters (limits, attempts): one past this failed every claim
 # of the family in Postgres ("integer out of range"), forever.
 MAX_COUNT = 2**31 - 1

@@ -17,8 +17,6 @@ from .errors import InvalidArgument, InvalidPayload, PayloadTooLarge
 
 MAX_KEY_LENGTH = 512
 DEFAULT_PAYLOAD_LIMIT = 256 * 1024
-# Far enough for any schedule, near enough that now() + delay stays inside Postgres' range
-# (a longer one would fail in SQL and leave the caller's transaction aborted).
 
 
 @dataclass(frozen=True)
@@ -48,8 +46,9 @@ class PreparedRow:
 
 
 def encode_payload(payload: Any, limit: int, what: str = "payload") -> str:
-    """JSON text of the payload (or of ``what`` else goes to a jsonb column: a heartbeat's
-    progress); rejects NaN/Infinity and non-string keys instead of coercing."""
+    """JSON text of the payload, or of another value bound for a jsonb column, named by
+    ``what`` (a heartbeat's progress); rejects NaN/Infinity and non-string keys instead of
+    coercing."""
     try:
         text = json.dumps(payload, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
     except RecursionError as exc:
