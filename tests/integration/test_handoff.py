@@ -137,6 +137,20 @@ class _Hooked:
                 hook()
 
 
+def _hook(h: LocalHandoff, ident: int, at: int = 1) -> _Hooked:
+    """Put a hooked lock in the hand-off (armed by setting its ``hook``)."""
+    hooked = _Hooked(h._lock, ident, at)
+    h._lock = hooked  # type: ignore[assignment]
+    return hooked
+
+
+def _loop_thread(worker: Any) -> int:
+    """The ident of the worker's event loop thread."""
+    ident: list[int] = []
+    in_loop(worker, lambda: ident.append(threading.get_ident()))
+    return ident[0]
+
+
 @pytest.mark.parametrize("at", [1, 2, 3])
 def test_a_message_taken_while_the_worker_gives_the_last_ones_to_celery_is_given_too(
     at: int,
@@ -155,10 +169,7 @@ def test_a_message_taken_while_the_worker_gives_the_last_ones_to_celery_is_given
     h, sent = handoff
     seen: list[int] = []
     cmd = commands(family="quick", fn=lambda ctx, payload: seen.append(ctx.row_id))
-    loop_ident: list[int] = []
-    in_loop(worker, lambda: loop_ident.append(threading.get_ident()))
-    hooked = _Hooked(h._lock, loop_ident[0], at)
-    h._lock = hooked  # type: ignore[assignment]
+    hooked = _hook(h, _loop_thread(worker), at)
     with psycopg.connect(database_url) as conn, conn.transaction():
         first = dispatcher.enqueue(conn, cmd, {"n": 1})
 
@@ -186,8 +197,7 @@ def test_a_take_that_a_consumer_stop_overtakes_leaves_its_message_to_the_broker(
     rest; it raised there once, and the claim's later messages were never published (their
     rows waited out their lease)."""
     h, _sent = handoff
-    hooked = _Hooked(h._lock, threading.get_ident())
-    h._lock = hooked  # type: ignore[assignment]
+    hooked = _hook(h, threading.get_ident())
     published: list[tuple[str, list[str]]] = []
     h.republish = lambda q, wires: published.append((q, [w.task_id for w in wires]))
     queue = dispatcher.queue_name("quick")
@@ -210,10 +220,7 @@ def test_a_worker_giving_messages_to_celery_is_not_idle(
     commit's row to this worker as if it were idle (the row would wait behind them)."""
     h, _sent = handoff
     cmd = commands(family="quick")
-    loop_ident: list[int] = []
-    in_loop(worker, lambda: loop_ident.append(threading.get_ident()))
-    hooked = _Hooked(h._lock, loop_ident[0], at=2)  # after the loop takes the messages
-    h._lock = hooked  # type: ignore[assignment]
+    hooked = _hook(h, _loop_thread(worker), at=2)  # after the loop takes the messages
     queue = dispatcher.queue_name("quick")
     idle_take: list[int] = []
 
@@ -290,8 +297,7 @@ def test_messages_a_stopping_consumer_cannot_publish_run_when_it_starts_again(
     def broker_away(queue: str, wires: Any) -> None:
         raise ConnectionError("Error 111 connecting to the broker")
 
-    hooked = _Hooked(h._lock, threading.get_ident())
-    h._lock = hooked  # type: ignore[assignment]
+    hooked = _hook(h, threading.get_ident())
     republish, h.republish = h.republish, broker_away
     hooked.hook = lambda: in_loop(worker, h.detach)  # between the take and its wake-up
     assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
