@@ -99,13 +99,13 @@ class Dispatcher:
         redis_url: str | None = None,
         schema: str = "outbox",
         queue_prefix: str = "outbox",
-        claim_interval: float = 1.0,
+        claim_interval: float | timedelta = 1.0,
         claim_batch: int = 500,
         payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
         pool_size: int = 4,
         handler_pool_size: int = 32,
         key_prefix: str = "outbox",
-        prune_interval: float = 60.0,
+        prune_interval: float | timedelta = 60.0,
         prune_batch: int = 1000,
         listen: bool = True,
         consumers: int | None = None,
@@ -115,15 +115,8 @@ class Dispatcher:
         flushed_starts: bool = False,
     ) -> None:
         urls = database_urls(database_url, databases)
-        for name, seconds in (
-            ("claim_interval", claim_interval),
-            ("prune_interval", prune_interval),
-        ):
-            if not (seconds_in(seconds, 0.0, MAX_INTERVAL) and seconds > 0):
-                raise ConfigurationError(
-                    f"{name} must be a number of seconds > 0 and <= {MAX_INTERVAL:g}, "
-                    f"got {seconds!r}"
-                )
+        claim_interval = _interval("claim_interval", claim_interval)
+        prune_interval = _interval("prune_interval", prune_interval)
         for name, count, low in (
             ("claim_batch", claim_batch, 1),
             ("prune_batch", prune_batch, 1),
@@ -978,6 +971,18 @@ class Dispatcher:
             db.store.close()
         if self.caps is not None:
             self.caps.close()
+
+
+def _interval(name: str, value: float | timedelta) -> float:
+    """An interval of the Dispatcher as float seconds: any real number or a timedelta, above 0
+    and at most MAX_INTERVAL (beat's schedule and the listener's sweep take no more)."""
+    seconds = real_seconds(value)
+    if seconds is None or not (seconds_in(seconds, 0.0, MAX_INTERVAL) and seconds > 0):
+        raise ConfigurationError(
+            f"{name} must be seconds (a number or a timedelta) > 0 and <= {MAX_INTERVAL:g}, "
+            f"got {value!r}"
+        )
+    return seconds
 
 
 def _seconds(value: float | timedelta) -> float:

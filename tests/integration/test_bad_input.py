@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
@@ -493,6 +493,23 @@ def test_dispatcher_options_at_the_edge_of_their_type_are_refused(
     with pytest.raises(ConfigurationError) as raised:
         Dispatcher(app, database_url=_NOWHERE, **options)
     assert next(iter(options)) in str(raised.value)
+
+
+def test_intervals_and_seconds_take_any_real_number_or_a_timedelta() -> None:
+    """What the checks above refuse is only what cannot work: a Decimal, a timedelta or a
+    numpy-like float is seconds, and arrives as a float."""
+    app = Celery("edges3", broker="memory://", set_as_current=False)
+    d = Dispatcher(
+        app,
+        database_url=_NOWHERE,
+        claim_interval=timedelta(milliseconds=500),
+        prune_interval=cast(Any, Decimal("30")),
+    )
+    assert (d.claim_interval, type(d.claim_interval)) == (0.5, float)
+    lease: Any = Decimal("90.5")
+    fam = d.family("roomy", lease=lease, heartbeat_timeout=timedelta(seconds=20))
+    assert (fam.lease, fam.heartbeat_timeout) == (90.5, 20.0)
+    assert type(fam.lease) is float
 
 
 def test_the_largest_counts_a_family_takes_work_in_postgres(
