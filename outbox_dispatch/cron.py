@@ -15,6 +15,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter  # type: ignore[import-untyped]
 
+from .bounds import MAX_DELAY
 from .errors import ConfigurationError
 
 MAX_TICKS = 1000  # a catch-up never writes more rows than this per schedule and pass
@@ -48,6 +49,20 @@ class Schedule:
         except (ZoneInfoNotFoundError, ValueError) as exc:
             raise ConfigurationError(
                 f"cron schedule {self.name!r}: unknown time zone {self.tz!r}"
+            ) from exc
+        if not (isinstance(self.window, timedelta) and timedelta(0) < self.window <= MAX_DELAY):
+            raise ConfigurationError(
+                f"cron schedule {self.name!r}: window must be a timedelta above 0 and at most "
+                f"{MAX_DELAY.days} days, got {self.window!r}"
+            )
+        # a valid expression that names no date ('0 0 30 2 *', a year gone by) made every
+        # run_cron fail, the other schedules' ticks with it: refused here, once
+        try:
+            croniter(self.expr, datetime.now(UTC)).get_next(datetime)
+        except Exception as exc:  # croniter's CroniterBadDateError, or worse
+            raise ConfigurationError(
+                f"cron schedule {self.name!r}: {self.expr!r} names no date that will come "
+                f"({exc}); check the day of the month against the month"
             ) from exc
 
     def dedupe_key(self, tick: datetime) -> str:

@@ -900,6 +900,11 @@ class Dispatcher:
         far)`` is called after each batch that deleted something. Also repairs ordered lines a
         crash left without a head; one family's failure does not stop the others', nor one
         database's the others'."""
+        for name, value in (("batch", batch), ("max_batches", max_batches)):
+            if value is not None and not count_in(value, 1):
+                raise InvalidArgument(
+                    f"prune {name} must be a whole number from 1 to {MAX_COUNT}, got {value!r}"
+                )
         total: dict[str, int] = {}
         failed: list[str] = []
         for db in self.chosen_databases(database):
@@ -948,14 +953,27 @@ class Dispatcher:
                 f"catch_up must be 'latest' or 'all', got {catch_up!r}"
             ) from exc
         self.registry.family_of(command)  # the command must be known
+        every = real_seconds(check_every)
+        if every is None or not (seconds_in(every, 0.0, MAX_INTERVAL) and every > 0):
+            raise ConfigurationError(
+                f"check_every must be seconds above 0 and at most {MAX_INTERVAL:g}, "
+                f"got {check_every!r}"
+            )
         schedule = Schedule(name, expr, command, payload, tz, policy, window)
         # a payload that cannot be stored fails here, at declaration, not at every tick
         encode_payload(schedule.payload_for(datetime.now(UTC)), self.payload_limit)
+        known = self.schedules.get(name)
+        if known is not None and known != schedule:
+            # two schedules of one name share its tick record: one of them would lose ticks
+            raise ConfigurationError(
+                f"cron schedule {name!r} is already declared ({known.expr!r}, "
+                f"{known.command!r}): give each schedule its own name"
+            )
         first = not self.schedules
         self.schedules[name] = schedule
         if first:
             wiring.add_periodic_entry(
-                self.app, "outbox-dispatch cron", wiring.CRON_TASK, check_every, self.claim_queue
+                self.app, "outbox-dispatch cron", wiring.CRON_TASK, every, self.claim_queue
             )
         return schedule
 

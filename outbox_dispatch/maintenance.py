@@ -118,17 +118,30 @@ class Maintenance:
     ) -> dict[str, int]:
         """Write the rows of every schedule's due ticks; safe to run from several processes."""
         written: dict[str, int] = {}
+        failed: list[str] = []
         for schedule in list(schedules):
-            with self.store.connection() as conn, conn.transaction():
-                ticks = self.store.cron_ticks(conn, schedule, now)
-                for tick in ticks:
-                    enqueue(
-                        conn,
-                        schedule.command,
-                        schedule.payload_for(tick),
-                        dedupe_key=schedule.dedupe_key(tick),
-                        at=tick,
-                    )
+            try:
+                with self.store.connection() as conn, conn.transaction():
+                    ticks = self.store.cron_ticks(conn, schedule, now)
+                    for tick in ticks:
+                        enqueue(
+                            conn,
+                            schedule.command,
+                            schedule.payload_for(tick),
+                            dedupe_key=schedule.dedupe_key(tick),
+                            at=tick,
+                        )
+            except Exception as exc:  # one schedule's failure must not stop the others' ticks
+                event(
+                    log,
+                    logging.ERROR,
+                    "cron_failed",
+                    f"schedule {schedule.name!r} wrote no tick ({exc!r}); its ticks are "
+                    "written by the next pass that succeeds, as its catch_up says",
+                    command=schedule.command,
+                )
+                failed.append(schedule.name)
+                continue
             if ticks:
                 written[schedule.name] = len(ticks)
                 event(
@@ -138,4 +151,9 @@ class Maintenance:
                     f"{len(ticks)} ticks written for {schedule.name}",
                     command=schedule.command,
                 )
+        if failed:  # as prune does: the others' ticks are written, and the pass says which failed
+            raise MaintenanceFailed(
+                f"cron failed for {', '.join(failed)} (the others' ticks were written): see the "
+                "log's cron_failed events"
+            )
         return written

@@ -15,7 +15,16 @@ import psycopg
 import pytest
 from celery import Celery
 
-from outbox_dispatch import Backoff, Context, Dispatcher, InvalidArgument, InvalidPayload, Outcome
+from outbox_dispatch import (
+    Backoff,
+    ConfigurationError,
+    Context,
+    Dispatcher,
+    InvalidArgument,
+    InvalidPayload,
+    MaintenanceFailed,
+    Outcome,
+)
 from outbox_dispatch.cron import CatchUp, due_ticks
 from tests.conftest import count_rows
 
@@ -400,6 +409,58 @@ def test_cron_writes_one_row_per_tick_from_two_schedulers(
     assert life.run_cron(now=t0 + timedelta(seconds=10)) == {}
     assert life.run_cron(now=t0 + timedelta(seconds=16)) == {name: 3, latest: 1}
     other.close()
+
+
+def test_cron_refuses_what_could_never_fire_and_one_schedule_cannot_stop_the_others(
+    life: Dispatcher, database_url: str, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schedule that names no date ('0 0 30 2 *') once passed the declaration and made
+    every run_cron raise, so every other schedule stopped too; a bad window or check_every
+    never fired; a second schedule of the same name silently replaced the first, and one of
+    them lost its ticks. Each is refused when declared, and a schedule that fails at run
+    time (its database statement, here) is logged while the others' ticks are written."""
+    cmd = _name()
+    life.handler(cmd, family="gone")(lambda ctx, p: None)
+    tag = uuid.uuid4().hex[:6]
+    for expr in ("0 0 30 2 *", "0 0 31 4 *"):
+        with pytest.raises(ConfigurationError, match="names no date"):
+            life.cron(f"never-{tag}", expr, cmd, {})
+    for window in (timedelta(hours=-1), 3600, timedelta(0)):
+        with pytest.raises(ConfigurationError, match="window"):
+            life.cron(f"win-{tag}", "* * * * *", cmd, {}, catch_up="all", window=window)  # type: ignore[arg-type]
+    for every in (0, -1, math.nan, "1"):
+        with pytest.raises(ConfigurationError, match="check_every"):
+            life.cron(f"every-{tag}", "* * * * *", cmd, {}, check_every=every)  # type: ignore[arg-type]
+    life.cron(f"dup-{tag}", "* * * * *", cmd, {"n": 1})
+    life.cron(f"dup-{tag}", "* * * * *", cmd, {"n": 1})  # the same again: an import twice
+    with pytest.raises(ConfigurationError, match="already declared"):
+        life.cron(f"dup-{tag}", "*/5 * * * *", cmd, {"n": 1})
+    broken, fine = f"broken-{tag}", f"fine-{tag}"
+    for name in (broken, fine):
+        life.cron(name, "* * * * * */2", cmd, {"name": name}, catch_up="all")
+    ticks = life.maintenance.store.cron_ticks
+
+    def fails_for_one(conn: Any, schedule: Any, now: Any) -> Any:
+        if schedule.name == broken:
+            raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+        return ticks(conn, schedule, now)
+
+    t0 = datetime(2026, 3, 1, 12, 0, 0, 500000, tzinfo=UTC)
+    life.run_cron(now=t0)  # new schedules start with their next tick
+    monkeypatch.setattr(life.maintenance.store, "cron_ticks", fails_for_one)
+    with pytest.raises(MaintenanceFailed, match=broken):
+        life.run_cron(now=t0 + timedelta(seconds=4))
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(
+            f"SELECT payload->>'name' FROM \"{schema}\".outbox WHERE command = %s", (cmd,)
+        ).fetchall()
+    assert rows == [(fine,), (fine,)]  # the other schedule's two ticks were written
+    for name in (broken, fine, f"dup-{tag}"):
+        del life.schedules[name]  # the module's dispatcher lives on: leave no schedule behind
+    with pytest.raises(InvalidArgument, match="batch"):
+        life.prune(batch=-5)  # it reached Postgres, and every family's prune failed
+    with pytest.raises(InvalidArgument, match="batch"):
+        life.prune(batch=1.5)  # type: ignore[arg-type]
 
 
 def test_a_handler_that_kills_its_worker_every_time_is_parked_even_in_intent(
