@@ -19,7 +19,7 @@ from typing import Any
 
 from . import operations
 from .appload import load_dispatcher
-from .errors import OutboxError
+from .errors import ConfigurationError, OutboxError
 from .logs import mask_dsn
 from .migrations import migrate
 from .tables import pruning_progress, table
@@ -62,6 +62,17 @@ def _dispatcher(args: argparse.Namespace, *, check: bool = True) -> Any:
     for db in chosen if check else ():
         _reachable(db.name, db.url)
     return dispatcher
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -251,7 +262,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     from .metrics import serve
 
     dispatcher = _dispatcher(args)
-    server = serve(dispatcher, args.port, args.addr)
+    try:
+        server = serve(dispatcher, args.port, args.addr)
+    except OSError as exc:
+        raise _cannot_listen(args, exc) from exc
     print(f"serving http://{args.addr}:{args.port}/metrics (Ctrl-C stops)", flush=True)
     try:
         while True:
@@ -268,10 +282,23 @@ def cmd_web(args: argparse.Namespace) -> int:
 
     user, password = parse_credentials(args.auth or os.environ.get("OUTBOX_WEB_AUTH"))
     dispatcher = _dispatcher(args)
-    print(f"serving http://{args.addr}:{args.port}/ as {user!r} (Ctrl-C stops)", flush=True)
-    with contextlib.suppress(KeyboardInterrupt):
-        serve(WebApp(dispatcher, user=user, password=password), args.addr, args.port)
+
+    def ready() -> None:  # said once it listens, not before a bind that fails
+        print(f"serving http://{args.addr}:{args.port}/ as {user!r} (Ctrl-C stops)", flush=True)
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            serve(WebApp(dispatcher, user=user, password=password), args.addr, args.port, ready)
+    except OSError as exc:
+        raise _cannot_listen(args, exc) from exc
     return 0
+
+
+def _cannot_listen(args: argparse.Namespace, exc: OSError) -> ConfigurationError:
+    return ConfigurationError(
+        f"cannot listen on {args.addr}:{args.port} ({exc.strerror or exc}): choose another "
+        "--port, or an --addr this machine has"
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -405,14 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=cmd_celery)
 
     p = sub.add_parser("metrics", parents=ours, help="serve Prometheus /metrics: per-family gauges")
-    p.add_argument("--port", type=int, default=9808)
+    p.add_argument("--port", type=_port, default=9808)
     p.add_argument("--addr", default="0.0.0.0")  # noqa: S104 (a metrics endpoint listens)
     p.set_defaults(fn=cmd_metrics)
 
     p = sub.add_parser(
         "web", parents=ours, help="the operator page: status, parked rows, a row's history"
     )
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--addr", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--auth", help="user:password (default: $OUTBOX_WEB_AUTH); required")
     p.set_defaults(fn=cmd_web)

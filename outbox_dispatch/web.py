@@ -415,8 +415,9 @@ def _json(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 
-def serve(app: WebApp, host: str, port: int) -> None:
-    """Serve until interrupted, one thread per request."""
+def serve(app: WebApp, host: str, port: int, ready: Callable[[], None] = lambda: None) -> None:
+    """Serve until interrupted, one thread per request; ``ready`` once it listens (a port it
+    cannot bind raises OSError before)."""
     from socketserver import ThreadingMixIn
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -430,4 +431,5 @@ def serve(app: WebApp, host: str, port: int) -> None:
             pass
 
     with make_server(host, port, app, server_class=Server, handler_class=Quiet) as server:
+        ready()
         server.serve_forever()

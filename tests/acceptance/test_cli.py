@@ -4,6 +4,7 @@ reached, operations that matched nothing, output cut short by ``head``, and its 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -137,3 +138,21 @@ def test_limits_must_be_positive_and_an_unknown_family_is_named(clean_acc: dict[
         assert result.returncode == 2 and "must be at least 1" in result.stderr
     unknown = cli(clean_acc, "parked", "list", "--family", "nosuch")
     assert unknown.returncode == 1 and "declares no family 'nosuch'" in unknown.stdout
+
+
+def test_a_server_that_cannot_listen_says_so_in_one_line(clean_acc: dict[str, str]) -> None:
+    """A busy port, or one out of range: one line and exit 2, and no 'serving' before it
+    (it printed 'serving ...' and then a traceback, exit 1)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for command in (["web", "--auth", "ops:secret"], ["metrics"]):
+            result = cli(clean_acc, *command, "--addr", "127.0.0.1", "--port", port)
+            assert result.returncode == 2, result.stderr
+            assert "serving" not in result.stdout
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], lines
+    for bad in ("99999", "-1"):
+        result = cli(clean_acc, "web", "--auth", "ops:secret", "--port", bad)
+        assert result.returncode == 2 and "a port is 0 to 65535" in result.stderr
