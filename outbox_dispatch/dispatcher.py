@@ -862,6 +862,13 @@ class Dispatcher:
         """
         if row_id is None and dedupe_key is None and actor is None:
             raise InvalidArgument("cancel needs a row id, a dedupe_key, or an actor")
+        if sum(x is not None for x in (row_id, dedupe_key, actor)) > 1:
+            # they used to narrow each other, and a pending row matched nothing
+            raise InvalidArgument(
+                "cancel takes one of a row id, a dedupe_key or an actor: cancel each separately"
+            )
+        if command is not None and actor is None:
+            raise InvalidArgument("command narrows an actor's rows: pass actor= with it")
         if row_id is not None:
             valid_row_id(row_id)
         for what, value in (

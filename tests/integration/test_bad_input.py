@@ -119,6 +119,10 @@ def test_enqueue_many_refuses_what_is_not_a_message(
         ({"row_id": "7"}, "row_id must be an int"),
         ({"row_id": True}, "row_id must be an int"),
         ({"row_id": 2**63}, "out of range"),  # it reached Postgres as a DatabaseError
+        # selectors narrowed each other, and a pending row matched nothing
+        ({"row_id": 1, "dedupe_key": "k"}, "one of a row id, a dedupe_key or an actor"),
+        ({"dedupe_key": "k", "actor": "a"}, "one of a row id, a dedupe_key or an actor"),
+        ({"row_id": 1, "command": "c"}, "command narrows an actor's rows"),
         ({"dedupe_key": 7}, "dedupe_key must be a str"),
         ({"actor": b"a"}, "actor must be a str"),
         ({"actor": "a", "command": 3}, "command must be a str"),
