@@ -19,12 +19,19 @@ def check_database_url(url: str) -> None:
     import psycopg
 
     try:
-        psycopg.conninfo.conninfo_to_dict(url)
+        params = psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.Error as exc:
         raise ConfigurationError(
             f"database_url {mask_dsn(url)!r} is not a valid PostgreSQL URL or DSN: "
             f"{mask_dsn(str(exc))}"
         ) from exc
+    if "@" in str(params.get("host") or ""):
+        # libpq ends the password at its first '@': the rest became the host, and the
+        # server's "could not translate host name" quoted that piece of the password
+        raise ConfigurationError(
+            f"database_url {mask_dsn(url)!r}: its password holds an '@', which ends it early; "
+            "write it as %40"
+        )
 
 
 _LOCAL_HOSTS = {"", "localhost", "127.0.0.1", "::1"}

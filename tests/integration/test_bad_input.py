@@ -164,6 +164,17 @@ def test_identifiers_that_reach_sql_queue_names_or_redis_keys_are_validated(
         )
 
 
+def test_a_password_with_an_unescaped_at_sign_is_refused_without_showing_it() -> None:
+    """libpq ends the password at its first '@' and takes the rest as the host; connecting
+    then failed with 'could not translate host name "cret@127.0.0.1"', a piece of the
+    password in every log line."""
+    app = Celery("at_sign", broker="memory://", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="%40") as raised:
+        Dispatcher(app, database_url="postgresql://app:s3@cret@127.0.0.1:5432/shop")
+    assert "cret" not in str(raised.value) and "s3" not in str(raised.value)
+    Dispatcher(app, database_url="postgresql://app:s3%40cret@127.0.0.1:5432/shop")  # escaped
+
+
 def test_family_and_cron_names_are_validated() -> None:
     app = Celery("idents2", broker="memory://", set_as_current=False)
     d = Dispatcher(app, database_url="postgresql://nobody@127.0.0.1:1/none")
