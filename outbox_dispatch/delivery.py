@@ -391,7 +391,9 @@ class Delivery:
             )
         elapsed = time.perf_counter() - t0
         if inspect.isawaitable(returned):
-            return self._finish(started, family, _never_awaited(returned), elapsed)
+            return self._finish(
+                started, family, Settle(SettleKind.PARK, error=_never_awaited(returned)), elapsed
+            )
         settle = after_return(family, started.attempts, self.rand(), running.stop_reason())
         if not settle.delivers:
             return self._finish(started, family, settle, elapsed)
@@ -465,7 +467,7 @@ class Delivery:
                 ctx.conn = conn
                 returned = fn(ctx, started.payload)
                 if inspect.isawaitable(returned):  # rolled back, and parked as below
-                    raise PermanentFailure(_never_awaited(returned).error)
+                    raise PermanentFailure(_never_awaited(returned))
                 reason = running.stop_reason()
                 if reason is StopReason.CANCEL_REQUESTED:
                     raise _Cancelled()
@@ -707,18 +709,17 @@ class Delivery:
                 self.on_slot_freed(slot.family, self.caps_database)  # lets a waiting row in
 
 
-def _never_awaited(returned: object) -> Settle:
-    """A handler that returned an awaitable (a coroutine, a future): nothing here awaits it,
-    so its work did not run; the row is parked, not settled as delivered."""
+def _never_awaited(returned: object) -> str:
+    """Why a row whose handler returned an awaitable (a coroutine, a future) is parked: nothing
+    here awaits it, so its work did not run. The coroutine is closed, unrun."""
     close = getattr(returned, "close", None)
     if callable(close):  # a coroutine never awaited would warn when collected
         close()
-    error = (
+    return (
         f"the handler returned {type(returned).__name__}, which nothing awaits: handlers are "
         "plain functions run in Celery's pool processes, so its work did not run; make it "
         "synchronous (it may call asyncio.run(...)) and retry the parked row"
     )
-    return Settle(SettleKind.PARK, error=error)
 
 
 def _deadlines(family: Family) -> tuple[float | None, float | None]:

@@ -49,6 +49,7 @@ from .policy import (
     builtin_families,
     cap_rule,
     family_is_capped,
+    require_whole,
 )
 from .pool import Conn
 from .publisher import Publisher, family_command
@@ -62,11 +63,11 @@ from .validation import (
     DEFAULT_PAYLOAD_LIMIT,
     Message,
     PreparedRow,
+    checked_row_id,
     encode_payload,
     prepare,
     row_ids,
 )
-from .validation import row_id as valid_row_id
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -117,17 +118,15 @@ class Dispatcher:
         urls = database_urls(database_url, databases)
         claim_interval = _interval("claim_interval", claim_interval)
         prune_interval = _interval("prune_interval", prune_interval)
-        for name, count, low in (
-            ("claim_batch", claim_batch, 1),
-            ("prune_batch", prune_batch, 1),
-            ("payload_limit", payload_limit, 2),
-            ("pool_size", pool_size, 1),
-            ("handler_pool_size", handler_pool_size, 1),
+        for name, count in (
+            ("claim_batch", claim_batch),
+            ("prune_batch", prune_batch),
+            ("pool_size", pool_size),
+            ("handler_pool_size", handler_pool_size),
         ):
-            if not count_in(count, low):
-                raise ConfigurationError(
-                    f"{name} must be a whole number from {low} to {MAX_COUNT}, got {count!r}"
-                )
+            require_whole(name, count)
+        require_whole("payload_limit", payload_limit, 2)
+        require_whole("consumers", consumers, optional=True)
         for name, flag in (
             ("listen", listen),
             ("handoff", handoff),
@@ -135,8 +134,6 @@ class Dispatcher:
         ):
             if not isinstance(flag, bool):
                 raise ConfigurationError(f"{name} must be True or False, got {flag!r}")
-        if consumers is not None and not count_in(consumers, 1):
-            raise ConfigurationError(f"consumers must be None or >= 1, got {consumers!r}")
         if task_outside not in tasks.OUTSIDE:
             raise ConfigurationError(
                 f"task_outside must be one of {list(tasks.OUTSIDE)}, got {task_outside!r}"
@@ -399,12 +396,8 @@ class Dispatcher:
         ``ctx.conn``, a connection in a transaction that also settles its row: its writes and
         the settle commit together or not at all."""
         command_name(command)
+        require_whole("per_actor", per_actor, optional=True)
         if per_actor is not None:
-            if not count_in(per_actor, 1):
-                raise ConfigurationError(
-                    f"per_actor must be None or a whole number from 1 to {MAX_COUNT}, "
-                    f"got {per_actor!r}"
-                )
             self._need_redis(f"handler {command!r} with per_actor={per_actor}")
             fam = self.families.get(family)
             if fam is not None and fam.ordered:
@@ -870,7 +863,7 @@ class Dispatcher:
         if command is not None and actor is None:
             raise InvalidArgument("command narrows an actor's rows: pass actor= with it")
         if row_id is not None:
-            valid_row_id(row_id)
+            checked_row_id(row_id)
         for what, value in (
             ("dedupe_key", dedupe_key),
             ("actor", actor),

@@ -19,6 +19,18 @@ MAX_BATCH = 1000  # rows one delivery message may carry
 ADAPTIVE_BATCH = 100  # the most rows per message a family with batch=None is packed with
 
 
+def require_whole(what: str, value: object, low: int = 1, *, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is a whole number from ``low`` to MAX_COUNT (or None, when
+    ``optional``): one message for every count a user gives."""
+    if optional and value is None:
+        return
+    if not count_in(value, low):
+        none = "None or " if optional else ""
+        raise ConfigurationError(
+            f"{what} must be {none}a whole number from {low} to {MAX_COUNT}, got {value!r}"
+        )
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Capped exponential backoff with jitter: delay(n) = min(cap, base * 2**(n-1)), jittered."""
@@ -82,11 +94,13 @@ class Family:
 
     def __post_init__(self) -> None:
         family_name(self.name)
-        if self.max_attempts is not None and not count_in(self.max_attempts, 1):
-            raise ConfigurationError(
-                f"family {self.name!r}: max_attempts must be None (retry forever) or a whole "
-                f"number from 1 to {MAX_COUNT}, got {self.max_attempts!r}"
-            )
+        named = f"family {self.name!r}:"
+        require_whole(
+            f"{named} max_attempts (None retries forever)", self.max_attempts, optional=True
+        )
+        require_whole(f"{named} max_in_flight", self.max_in_flight)
+        require_whole(f"{named} per_actor", self.per_actor, optional=True)
+        require_whole(f"{named} max_lost", self.max_lost)
         if not isinstance(self.backoff, Backoff):
             raise ConfigurationError(
                 f"family {self.name!r}: backoff must be a Backoff(base, cap, jitter), got "
@@ -107,16 +121,6 @@ class Family:
                 f"family {self.name!r}: heartbeat_timeout must be 1 s to {MAX_LEASE:g} s, "
                 f"got {self.heartbeat_timeout!r}"
             )
-        if not count_in(self.max_in_flight, 1):
-            raise ConfigurationError(
-                f"family {self.name!r}: max_in_flight must be a whole number from 1 to "
-                f"{MAX_COUNT}, got {self.max_in_flight!r}"
-            )
-        if self.per_actor is not None and not count_in(self.per_actor, 1):
-            raise ConfigurationError(
-                f"family {self.name!r}: per_actor must be None or a whole number from 1 to "
-                f"{MAX_COUNT}, got {self.per_actor!r}"
-            )
         if not (self.retention == math.inf or seconds_in(self.retention, 0.0, MAX_RETENTION)):
             raise ConfigurationError(
                 f"family {self.name!r}: retention must be 0 to {MAX_RETENTION:g} seconds, or "
@@ -127,11 +131,6 @@ class Family:
         ):
             raise ConfigurationError(
                 f"family {self.name!r}: time_limit must be None or 0 to {MAX_LEASE:g} seconds"
-            )
-        if not count_in(self.max_lost, 1):
-            raise ConfigurationError(
-                f"family {self.name!r}: max_lost must be a whole number from 1 to {MAX_COUNT}, "
-                f"got {self.max_lost!r}"
             )
         if self.batch is not None and (
             isinstance(self.batch, bool)

@@ -111,7 +111,7 @@ def _optional_key(value: object, what: str) -> str | None:
     return value
 
 
-def row_id(value: object, what: str = "row_id") -> int:
+def checked_row_id(value: object, what: str = "row_id") -> int:
     """A row id as given by a caller: an int within bigint (another family's id, or one that
     does not exist, simply matches nothing)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -127,7 +127,7 @@ def row_ids(values: object) -> list[int] | None:
         return None
     if isinstance(values, str | bytes) or not isinstance(values, list | tuple | set | frozenset):
         raise InvalidArgument(f"ids must be a list of ints, got {type(values).__name__}")
-    return [row_id(v, "ids") for v in values]
+    return [checked_row_id(v, "ids") for v in values]
 
 
 def due_offset(delay: object, at: object) -> tuple[float, datetime | None]:
