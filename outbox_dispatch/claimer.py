@@ -24,6 +24,7 @@ from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .caps_rebuild import rebuild
 from .errors import DatabaseError
+from .handed import HandedRows
 from .logs import event
 from .policy import (
     Candidate,
@@ -109,6 +110,7 @@ class Claimer:
         self.queued = queued
         self.consumers = consumers
         self.run_stats = run_stats
+        self.handed = HandedRows()  # rows this worker's listener handed over unclaimed
         self._passes = 0
         self._sizes: dict[str, int] = {}  # family -> rows per message of its last claim
         # family -> tokens of lapsed holders whose slots this claimer gave back (the latest
@@ -142,7 +144,7 @@ class Claimer:
         if self.is_capped(family):
             result = self._claim_capped(family, batch or self.batch)
         else:
-            result = self.store.claim(family, batch or self.batch)
+            result = self.store.claim(family, batch or self.batch, self.handed.held(family.name))
         for row_id in result.parked:
             event(
                 log,

@@ -624,7 +624,8 @@ class Dispatcher:
     ) -> set[str]:
         """Give the rows commits named to this worker's idle pool processes, unclaimed: their
         starts claim them (listener.py). Returns the families left to a claim: unknown here,
-        capped or ordered, or more rows than this worker has room for."""
+        capped or ordered, or with more rows than this worker has idle processes (the claim
+        leaves the rows handed over to their starts, handed.py)."""
         db = self.database(database)
         shown = None if db.primary else db.name  # the name the messages carry
         left: set[str] = set()
@@ -635,7 +636,9 @@ class Dispatcher:
                 continue
             unclaimed = [Claimed(r.id, uuid.uuid4(), r.command, r.actor, 1) for r in rows]
             queue = self.queue_name(name)
-            if not self.publisher.hand_unclaimed(family, unclaimed, queue, shown):
+            handed = self.publisher.hand_unclaimed(family, unclaimed, queue, shown)
+            db.claimer.handed.add(name, (row.id for row in rows[:handed]))
+            if handed < len(rows):
                 left.add(name)
         return left
 

@@ -220,18 +220,20 @@ class LocalHandoff:
         """Keep the first of ``wires`` this worker has room for; returns how many. Room: what
         it would prefetch from the broker (its pool processes times the prefetch multiplier,
         one by default), less the requests it already holds, so that a handed-off message
-        never waits here while another worker could run it. ``idle``: all of them, and only
-        while this worker holds no request at all, or none (rows handed over unclaimed: under
-        load the next commit's claim would take them first, and their hop is wasted)."""
+        never waits here while another worker could run it. ``idle`` (rows handed over
+        unclaimed): only as many as there are pool processes that run nothing. Such a row
+        waiting here would be better claimed and sent to a free process. Rows allowed to wait
+        behind short handlers were measured: under load they waited past their hold
+        (handed.py), and the claims took them and their starts were dropped."""
         if self._pid != os.getpid():  # a forked pool process (a claim task): never attached here
             return 0
         with self._lock:
             if self._wake is None or queue not in self._consumed():
                 return 0
-            held = _reserved() + len(self._pending) + self._giving
+            held = self._held()
             room = self._prefetch() - held
-            if idle and (held or room < len(wires)):
-                return 0
+            if idle:
+                room = self._processes() - held
             taken = list(wires[: max(0, room)])
             if not taken:
                 return 0
@@ -244,6 +246,15 @@ class LocalHandoff:
         with contextlib.suppress(OSError):
             writer.send(b"\0")
         return len(taken)
+
+    def held(self) -> int:
+        """The messages this worker holds: Celery's requests (waiting for a pool process or
+        running) and those taken here that Celery has not received yet."""
+        with self._lock:
+            return self._held()
+
+    def _held(self) -> int:
+        return _reserved() + len(self._pending) + self._giving
 
     def _consumed(self) -> frozenset[str]:
         """The queues this worker consumes (called with the lock held)."""
@@ -262,6 +273,10 @@ class LocalHandoff:
         value = getattr(qos, "value", None)
         if isinstance(value, int) and value > 0:
             return value
+        return self._processes()
+
+    def _processes(self) -> int:
+        """This worker's pool processes (or threads)."""
         pool = getattr(self._consumer, "pool", None)
         return max(1, int(getattr(pool, "num_processes", None) or 1))
 

@@ -15,11 +15,11 @@ task to a pool process every second for that, then runs only as the safety net (
 
 A commit's NOTIFY that names its row (the transaction's first row due now, enqueue.sql) is
 handed, unclaimed, to an idle pool process of this worker when its family lets a start claim
-alone (no caps, no order) and the worker runs nothing and has room for every row named
-(under load the next commit's claim would take a handed row before its start): that process
-claims and starts the row in one statement (deliver_claim_begin). The hop to the process
-comes first and one round trip follows it, where a claim, the hop and a start came one after
-another. Any other wake is a claim, as before.
+alone (no caps, no order): that process claims and starts the row in one statement
+(deliver_claim_begin). The hop to the process comes first and one round trip follows it,
+where a claim, the hop and a start came one after another. Rows named beyond the processes
+free are claimed, and that claim leaves the rows handed over to their starts (handed.py).
+Any other wake is a claim, as before.
 
 A family whose claim stopped at its in-flight limit (or a full queue), or that was left
 because its queue holds work for every consumer (policy.claim_can_wait: its rows are claimed

@@ -105,13 +105,14 @@ class Publisher:
 
     def hand_unclaimed(
         self, family: Family, rows: Sequence[Claimed], queue: str, database: str | None = None
-    ) -> bool:
+    ) -> int:
         """Give this worker's consumer one-row messages of rows not claimed yet, which their
-        starts claim (``claim_at_start``): all of them while it is idle, or none. Never to the
-        broker: such a message is only worth its hop to an idle process here
-        (one a broker queue kept waiting would find its row claimed by then)."""
+        starts claim (``claim_at_start``): the first of them, as many as it has pool
+        processes free; returns how many. Never to the broker: such a message is only worth
+        its hop to an idle process here (one a broker queue kept waiting would find its row
+        claimed by then)."""
         if self.local is None or not rows or self._needs_celery_path(queue):
-            return False
+            return 0
         head: tuple[Any, ...] = () if database is None else (database,)
         messages: Outgoing = [
             (
@@ -124,7 +125,7 @@ class Publisher:
             )
             for row in rows
         ]
-        return self.local.take(queue, self.wires(queue, messages), idle=True) == len(rows)
+        return self.local.take(queue, self.wires(queue, messages), idle=True)
 
     def send(self, queue: str, wires: Sequence[Wire]) -> None:
         """Put messages on the broker: one producer, one pipeline."""

@@ -274,8 +274,9 @@ class Store:
 
     # -- claim ----------------------------------------------------------------------------
 
-    def claim(self, family: Family, batch: int) -> ClaimResult:
-        """Lease up to ``batch`` due rows of a family, within its free in-flight capacity.
+    def claim(self, family: Family, batch: int, skip: Sequence[int] = ()) -> ClaimResult:
+        """Lease up to ``batch`` due rows of a family, within its free in-flight capacity,
+        leaving the ``skip`` rows alone (handed over unclaimed, handed.py).
 
         One round trip: begin, the family lock, count-pick-lease and commit, pipelined."""
         with (
@@ -284,7 +285,7 @@ class Store:
         ):
             with pipelined_transaction(conn):
                 self._lock_family(conn, family)
-                leased = self._lease(conn, family, None, [], batch)
+                leased = self._lease(conn, family, None, [], batch, skip)
             rows = leased.fetchall()
         limit = int(rows[0][0]) if rows and rows[0][0] is not None else 0
         return _claim_result(family.name, [r[1:] for r in rows if r[1] is not None], limit)
@@ -296,6 +297,7 @@ class Store:
         ids: list[int] | None,
         tokens: list[UUID],
         batch: int = 0,
+        skip: Sequence[int] = (),
     ) -> Any:
         """The lease statement: for rows the claim holds locked (``ids``), or for the due rows
         it picks itself (``ids`` None, up to ``batch`` within the in-flight limit); its cursor
@@ -308,6 +310,7 @@ class Store:
             "tokens": tokens,
             "batch": batch,
             "max_in_flight": family.max_in_flight,
+            "skip": list(skip),
         }
         return conn.execute(self.q["claim_lease"], params)
 

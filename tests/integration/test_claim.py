@@ -205,6 +205,7 @@ def _claim_plan(store: Store, conn: psycopg.Connection[Any], limit: int) -> str:
         "family": "intent",
         "ids": None,
         "tokens": [],
+        "skip": [],
         "batch": limit,
         "max_in_flight": 10_000,
     }

@@ -6,7 +6,9 @@ limit, a row someone else holds, a row not due, capped families."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -20,7 +22,7 @@ import pytest
 
 from outbox_dispatch import Context, Dispatcher
 from outbox_dispatch.handoff import LocalHandoff
-from outbox_dispatch.listener import CommitListener
+from outbox_dispatch.listener import CommitListener, Named
 from outbox_dispatch.publisher import CLAIM_AT_START, Wire
 from outbox_dispatch.rows import Claimed
 from outbox_dispatch.settle import Outcome
@@ -198,28 +200,92 @@ def test_a_named_row_that_a_claim_holds_is_not_started_and_nothing_changes(
     assert ran == [held]
 
 
-def test_the_worker_takes_named_rows_only_while_idle_and_with_room_for_all_of_them(
+def test_the_worker_takes_as_many_named_rows_as_it_has_free_processes(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
     handoff: tuple[LocalHandoff, list[int]],
     worker: Any,
     database_url: str,
 ) -> None:
-    """Rows named but not handed over are claimed instead (their messages never reach the
-    broker unclaimed): more rows than the worker has room for, or any row while it runs
-    something (under load the next commit's claim would take the row before its start)."""
+    """Named rows are handed over one to each pool process that runs nothing, the first of
+    them. The rest are left to a claim: their messages never reach the broker unclaimed."""
     h, sent = handoff
-    room = int(worker.consumer.qos.value)
+    processes = int(worker.consumer.pool.num_processes)
+    assert processes == int(worker.consumer.qos.value) == 4  # the session worker's threads
     family = dispatcher.families["quick"]
     queue = dispatcher.queue_name("quick")
 
-    def named(n: int) -> list[Claimed]:
-        return [Claimed(10**9 + i, uuid.uuid4(), "t.none", None, 1) for i in range(n)]
+    def hand(n: int) -> int:
+        rows = [Claimed(10**9 + i, uuid.uuid4(), "t.none", None, 1) for i in range(n)]
+        return dispatcher.publisher.hand_unclaimed(family, rows, queue)
 
     handed = h.handed
-    assert not dispatcher.publisher.hand_unclaimed(family, named(room + 1), queue)
-    assert h.handed == handed and sent == []
+    assert hand(processes + 1) == processes
+    wait_for(lambda: h.held() == 0, "the handed messages never finished")
+    with _one_row_running(dispatcher, commands, database_url):
+        # one process runs the held row: three are free
+        handed = h.handed  # the held row's claim may have gone through the hand-off too
+        assert hand(processes) == processes - 1
+        assert h.handed == handed + processes - 1
+        wait_for(lambda: h.held() == 1, "the handed messages never finished")
+        assert sent == []
 
+
+def test_a_claim_leaves_the_rows_its_worker_handed_over_to_their_starts(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """More rows named than free processes: the first are handed over, and the claim that
+    takes the rest leaves them alone, so each row runs once, from the one message that
+    reached it, and no start finds its row claimed by the listener (a stale message)."""
+    h, _sent = handoff
+    ran: list[tuple[int, int]] = []
+    cmd = commands(family="quick", fn=lambda ctx, payload: ran.append((ctx.row_id, ctx.attempt)))
+    with _one_row_running(dispatcher, commands, database_url):
+        rows = []
+        for _ in range(5):  # five commits, each naming its row
+            with psycopg.connect(database_url) as conn, conn.transaction():
+                row_id = dispatcher.enqueue(conn, cmd, {})
+            rows.append(Named("quick", row_id, cmd, None))
+        handed = h.handed
+        caplog.set_level(logging.DEBUG, logger="outbox_dispatch.delivery")
+        hold, dispatcher.claimer.handed.hold = dispatcher.claimer.handed.hold, 30.0
+        try:
+            assert dispatcher.hand_unclaimed({"quick": rows}) == {"quick"}  # 3 free processes
+            assert h.handed == handed + 3
+            assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 2}
+            wait_for(lambda: len(ran) == 5, "the rows never ran")
+        finally:
+            dispatcher.claimer.handed.hold = hold
+    assert sorted(ran) == sorted((r.id, 1) for r in rows)
+    assert not [r for r in caplog.records if "stale_dropped" in r.getMessage()]
+    wait_for(lambda: count_rows(database_url, dispatcher.schema) == 0, "rows kept")
+
+
+def test_a_handed_row_whose_start_never_comes_is_claimed_after_its_hold(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """The hold is short: a row handed over whose message is lost (its process died before
+    the start) is claimed by the next claim after it, not left for good."""
+    cmd = commands(family="quick")
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        row_id = dispatcher.enqueue(conn, cmd, {})
+    handed = dispatcher.claimer.handed
+    handed.add("quick", [row_id])  # as if handed over, and the message lost
+    assert dispatcher.claim_and_publish(["quick"]).claimed == {}
+    time.sleep(handed.hold)
+    assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
+    wait_for(lambda: count_rows(database_url, dispatcher.schema) == 0, "the row never ran")
+
+
+@contextlib.contextmanager
+def _one_row_running(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> Iterator[None]:
+    """A row of ``quick`` claimed and running in one of the session worker's threads."""
     running, release = threading.Event(), threading.Event()
 
     def hold(ctx: Context, payload: Any) -> None:
@@ -232,9 +298,7 @@ def test_the_worker_takes_named_rows_only_while_idle_and_with_room_for_all_of_th
     try:
         assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
         assert running.wait(10), "the claimed row never ran"
-        handed = h.handed
-        assert not dispatcher.publisher.hand_unclaimed(family, named(1), queue)
-        assert h.handed == handed
+        yield
     finally:
         release.set()
 
@@ -247,7 +311,7 @@ def test_a_named_rows_message_is_the_one_row_message_with_its_start_told_to_clai
     taken: list[Wire] = []
 
     class Sink:
-        def take(self, queue: str, wires: Any, *, idle: bool = False) -> int:
+        def take(self, queue: str, wires: Any, *, idle: bool = False, wait: bool = False) -> int:
             assert idle
             taken.extend(wires)
             return len(wires)

@@ -216,17 +216,18 @@ def test_a_worker_giving_messages_to_celery_is_not_idle(
     database_url: str,
 ) -> None:
     """Messages the event loop has taken from the hand-off and not yet given to Celery are
-    the worker's to run: a take meanwhile counts them, so the listener does not hand a lone
-    commit's row to this worker as if it were idle (the row would wait behind them)."""
+    the worker's to run: a take meanwhile counts them, so the listener does not hand rows to
+    a pool process as if it were idle (the row would wait behind them)."""
     h, _sent = handoff
     cmd = commands(family="quick")
     hooked = _hook(h, _loop_thread(worker), at=2)  # after the loop takes the messages
     queue = dispatcher.queue_name("quick")
+    processes = int(worker.consumer.pool.num_processes)
     idle_take: list[int] = []
 
-    def take_as_idle() -> None:  # the listener's thread, with a lone commit's row
-        wire = Wire("t-" + uuid.uuid4().hex, "[]", {}, {})
-        taker = threading.Thread(target=lambda: idle_take.append(h.take(queue, [wire], idle=True)))
+    def take_as_idle() -> None:  # the listener's thread, a row named for each process
+        wires = [Wire("t-" + uuid.uuid4().hex, "[]", {}, {}) for _ in range(processes)]
+        taker = threading.Thread(target=lambda: idle_take.append(h.take(queue, wires, idle=True)))
         taker.start()
         taker.join(10)
 
@@ -235,7 +236,7 @@ def test_a_worker_giving_messages_to_celery_is_not_idle(
         row = dispatcher.enqueue(conn, cmd, {})
     assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 1}
     wait_for(lambda: idle_take != [], "the loop never took the message")
-    assert idle_take == [0]
+    assert idle_take == [processes - 1]
     wait_for(lambda: count_rows(database_url, dispatcher.schema, f"id = {row}") == 0, "not run")
 
 
