@@ -228,7 +228,8 @@ class Store:
             for r in rows
         ]
         in_line = [i for i, r in enumerate(rows) if r.family in ordered and r.actor is not None]
-        plain = [i for i in range(len(rows)) if i not in set(in_line)]
+        lined = set(in_line)
+        plain = [i for i in range(len(rows)) if i not in lined]
         ids: list[int | None] = [None] * len(rows)
         scope = _in_callers_transaction(conn) if in_line else contextlib.nullcontext()
         with translated("enqueue_many"), scope, conn.cursor() as cur:
