@@ -173,6 +173,31 @@ def test_delivery_span_is_a_child_of_the_enqueuing_span(
     assert root.parent is None
 
 
+def test_every_row_of_a_batch_joins_the_trace_it_was_enqueued_in(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    conn: psycopg.Connection[Any],
+    spans: InMemorySpanExporter,
+) -> None:
+    name = commands(family="quick")
+    tracer = trace.get_tracer("shop")
+    with tracer.start_as_current_span("POST /import") as request, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(name, {"n": i}) for i in range(3)])
+    with conn.transaction():
+        untraced = dispatcher.enqueue_many(conn, [Message(name, {"n": 3})])
+    assert dispatcher.drain().delivered == 4
+
+    by_row = {
+        dict(s.attributes or {})["outbox.row_id"]: s
+        for s in spans.get_finished_spans()
+        if s.name == f"outbox deliver {name}"
+    }
+    for row_id in ids:
+        parent = by_row[row_id].parent
+        assert parent is not None and parent.span_id == request.get_span_context().span_id
+    assert by_row[untraced[0]].parent is None  # the trace read for a batch is not kept after it
+
+
 def test_failed_attempt_marks_its_span_in_error(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
