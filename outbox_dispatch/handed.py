@@ -30,19 +30,28 @@ class HandedRows:
         self._until: dict[str, dict[int, float]] = {}  # family -> row id -> left alone until
 
     def add(self, family: str, ids: Iterable[int]) -> None:
-        until = time.monotonic() + self.hold
+        """Remember rows handed over now; those past their hold are forgotten here too, as a
+        family whose rows all start where they were handed is never claimed by this worker."""
+        now = time.monotonic()
+        until = now + self.hold
         with self._lock:
-            rows = self._until.setdefault(family, {})
+            rows = self._live(family, now)
             for row_id in ids:
                 rows[row_id] = until
 
     def held(self, family: str) -> list[int]:
         """The family's rows a claim leaves alone now (those past their hold are forgotten)."""
-        now = time.monotonic()
         with self._lock:
-            rows = self._until.get(family)
-            if not rows:
-                return []
-            live = {row_id: t for row_id, t in rows.items() if t > now}
-            self._until[family] = live
-            return list(live)
+            return list(self._live(family, time.monotonic()))
+
+    def __len__(self) -> int:
+        """Rows remembered, in every family."""
+        with self._lock:
+            return sum(len(rows) for rows in self._until.values())
+
+    def _live(self, family: str, now: float) -> dict[int, float]:
+        """The family's rows still held (called with the lock held)."""
+        rows = self._until.get(family, {})
+        live = {row_id: t for row_id, t in rows.items() if t > now}
+        self._until[family] = live
+        return live
