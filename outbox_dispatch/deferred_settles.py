@@ -148,15 +148,25 @@ class DeferredSettles:
 
     def _loop(self) -> None:
         self._wake.wait()
+        lingered = False
         while True:
             try:
                 with self._lock:
                     wait = self._wait()
-                    idle = wait is None and not self._after
+                    quiet = wait is None and not self._after
+                    # found with nothing to do twice in a row, a WINDOW apart: idle, woken by
+                    # the next row. Found so once, it may only be that a start has just taken
+                    # the last row and the next handler runs: under load that is most of the
+                    # time, and going idle then cost a wake-up of this thread (two switches of
+                    # the GIL) for nearly every row delivered
+                    idle = quiet and lingered
                     self._idle = idle
                     self._wake.clear()
+                lingered = quiet and not idle
                 if idle:
                     self._wake.wait()
+                elif quiet:
+                    self._wake.wait(WINDOW)
                 elif wait is not None and wait > 0:
                     # a start may carry the row meanwhile; a flush wakes this early
                     self._wake.wait(min(wait, WINDOW))
