@@ -148,25 +148,24 @@ class DeferredSettles:
 
     def _loop(self) -> None:
         self._wake.wait()
-        lingered = False
         while True:
             try:
                 with self._lock:
                     wait = self._wait()
+                    # nothing pending, but a row came less than a WINDOW ago: rows are flowing,
+                    # and a start has just taken the last one while the next handler runs (most
+                    # of a busy process's time). Idle then, the thread was woken again by
+                    # nearly every row delivered (two switches of the GIL a row); it looks
+                    # again once the flow has paused for a WINDOW, and goes idle only then
                     quiet = wait is None and not self._after
-                    # found with nothing to do twice in a row, a WINDOW apart: idle, woken by
-                    # the next row. Found so once, it may only be that a start has just taken
-                    # the last row and the next handler runs: under load that is most of the
-                    # time, and going idle then cost a wake-up of this thread (two switches of
-                    # the GIL) for nearly every row delivered
-                    idle = quiet and lingered
+                    flowing = self._first_add + WINDOW - time.monotonic() if quiet else 0.0
+                    idle = quiet and flowing <= 0
                     self._idle = idle
                     self._wake.clear()
-                lingered = quiet and not idle
                 if idle:
                     self._wake.wait()
                 elif quiet:
-                    self._wake.wait(WINDOW)
+                    self._wake.wait(flowing)
                 elif wait is not None and wait > 0:
                     # a start may carry the row meanwhile; a flush wakes this early
                     self._wake.wait(min(wait, WINDOW))

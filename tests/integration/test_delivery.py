@@ -294,7 +294,8 @@ def test_the_settles_thread_is_not_woken_for_each_row_of_a_steady_flow(
     start carries the settle of the row before it. Waking the thread for each row anyway
     (it had gone idle while a start held the last row) cost two switches of the GIL a row,
     a quarter of a batched row's CPU. It is woken by the first row, then looks again once per
-    WINDOW (20 ms; the 100 rows take more than that), and every row is still settled."""
+    WINDOW (20 ms; the 100 rows take more than that) while rows keep coming, and every row
+    is still settled."""
     cmd = commands(family="quick")
     with psycopg.connect(database_url) as conn, conn.transaction():
         dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(100)])
