@@ -88,9 +88,12 @@ class DeferredSettles:
             self._wake.set()
 
     def take(self) -> Pending:
-        """Everything pending (the thread, a flush)."""
+        """Everything pending (the thread, a flush). What it settles ends the flow the
+        thread stays awake for (``_loop``): after a flush it goes idle, not waiting out a
+        WINDOW that a test may have made long."""
         with self._lock:
             batch, self._pending = self._pending, []
+            self._first_add = 0.0
         return batch
 
     def take_for_start(self) -> Pending:
