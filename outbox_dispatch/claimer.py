@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
@@ -56,6 +56,10 @@ class ClaimReport:
     # families held back by their in-flight limit (or a full queue), not by a lack of due rows:
     # a listener claims them again shortly, instead of this pass spinning on a few rows each
     saturated: set[str] = field(default_factory=set)
+    # capped families whose claim took slots freed since the claim before: a release within
+    # the wake window after that announces nothing (caps_release.lua), so a listener claims
+    # them again one window later (listener.py)
+    freed: set[str] = field(default_factory=set)
 
     @property
     def total(self) -> int:
@@ -72,6 +76,7 @@ class ClaimReport:
                 _add(mine, key, n)
         self.rounds = max(self.rounds, other.rounds)
         self.saturated |= other.saturated
+        self.freed |= other.freed
 
 
 # Tokens of lapsed holders a claimer remembers per family as given back (claim_lapsed_holders
@@ -256,7 +261,7 @@ class Claimer:
         if wake:
             with contextlib.suppress(DatabaseError):  # else beat's next pass claims them
                 self.store.request_claim(family.name)
-        return result
+        return replace(result, freed=sum(freed.values())) if freed else result
 
     def _release_lapsed(self, family: Family, lapsed: list[LapsedHolder], caps: Caps) -> bool:
         """Give back the slots of started attempts whose lease ran out, before this claim takes
@@ -404,6 +409,8 @@ class Claimer:
                 _add(report.claimed, family.name, len(result.claimed))
                 _add(report.parked, family.name, len(result.parked))
                 _add(report.waiting, family.name, result.waiting)
+                if result.freed:
+                    report.freed.add(family.name)
                 if 0 < result.limit <= len(result.claimed) + len(result.parked):
                     if result.limit == self.batch:
                         full.append(family)  # a whole batch: more rows may be due right now

@@ -266,6 +266,7 @@ class Dispatcher:
             sweep=self.claim_interval,
             database=self._shown(db),
             hand=partial(self.hand_unclaimed, database=db.name),
+            trail=self.caps.wake_ms / 1000 if self.caps is not None else None,
         )
 
     def commit_listeners(self) -> list[CommitListener]:

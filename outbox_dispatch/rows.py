@@ -30,6 +30,7 @@ class ClaimResult:
     limit: int
     waiting: int = 0
     parked_actors: tuple[str, ...] = ()
+    freed: int = 0  # freed cap slots the claim took from Redis (capped families)
 
 
 @dataclass(frozen=True)

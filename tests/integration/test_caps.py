@@ -702,6 +702,55 @@ def test_a_freed_slots_waiting_row_the_claim_has_no_room_for_comes_due_at_once(
     assert [c.id for c in rest.claimed] == [b2]
 
 
+def _leased(database_url: str, schema: str, row_id: int, timeout: float) -> uuid.UUID | None:
+    """The row's claim token once a claim leased it, or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                f"SELECT claim_token FROM {schema}.outbox WHERE id = %s AND NOT waiting",
+                (row_id,),
+            ).fetchone()
+            if row and row[0] is not None:
+                return uuid.UUID(str(row[0]))
+            time.sleep(0.01)
+    return None
+
+
+def test_a_slot_freed_inside_the_wake_window_after_a_claim_still_lets_its_actor_in(
+    capped: Dispatcher, record: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """A release wakes the claimer once per wake window. Here the second release comes
+    inside the window that the first one's wake opened, after the claim it woke took the
+    first freed slot: it announces nothing, and it is the backlog's last. The listener's
+    trailing claim, one window later, lets the actor's last row in; before it, that row
+    waited with its slot free until the next sweep (none here)."""
+    name = f"trail{uuid.uuid4().hex[:6]}"
+    capped.family(name, per_actor=1, lease=30)
+    cmd = record(name)
+    r1, r2, r3 = _enqueue(
+        capped, database_url, [Message(cmd, {"i": i}, actor="A") for i in range(3)]
+    )
+    assert capped.caps is not None
+    window = capped.caps.wake_ms
+    capped.caps.wake_ms = 1000  # wide enough that the second release surely falls inside it
+    listener = capped.commit_listener()
+    listener.sweep = None
+    listener.start()
+    try:
+        assert listener.leading.wait(5)
+        for row in (r1, r2):
+            token = _leased(database_url, schema, row, 5)
+            assert token is not None
+            assert capped.delivery.deliver(row, token).outcome is Outcome.DELIVERED
+        freed = time.monotonic()
+        assert _leased(database_url, schema, r3, 5) is not None, "r3 never let in"
+        assert time.monotonic() - freed < 2.5  # one wake window and the claim, not a sweep
+    finally:
+        listener.stop()
+        capped.caps.wake_ms = window
+
+
 def test_a_claims_slots_are_taken_in_order_in_script_runs_of_a_hundred(
     caps_url: str, run_id: str
 ) -> None:

@@ -171,6 +171,35 @@ def test_a_saturated_family_is_claimed_again_until_its_backlog_is_gone(
         listener.stop()
 
 
+def test_a_family_that_took_freed_slots_is_claimed_again_one_wake_window_later(
+    dispatcher: Dispatcher, database_url: str, schema: str
+) -> None:
+    """A claim that took freed cap slots is followed, with no notification, by another
+    ``trail`` seconds later (releases inside the wake window after it woke no one); the
+    trailing claims go on while they find freed slots, and one that finds none ends them."""
+    at: list[tuple[float, list[str]]] = []
+    done = threading.Event()
+
+    def claim(families: list[str] | None) -> ClaimReport:
+        at.append((time.monotonic(), families or []))
+        if len(at) == 3:
+            done.set()
+            return ClaimReport()  # found no freed slot: the trail ends
+        return ClaimReport(freed={"capped"})
+
+    listener = CommitListener(database_url, schema, dispatcher.store.channel, claim, trail=0.2)
+    listener.start()
+    try:
+        assert listener.leading.wait(5)  # its first pass (every family) took freed slots
+        assert done.wait(5)
+        time.sleep(0.7)  # longer than the idle wait and the trail: no more claims
+        assert [families for _, families in at] == [[], ["capped"], ["capped"]]
+        gaps = [b - a for (a, _), (b, _) in itertools.pairwise(at)]
+        assert min(gaps) >= 0.19, gaps  # one wake window after each claim, not sooner
+    finally:
+        listener.stop()
+
+
 def test_failing_claim_passes_back_off_and_a_pass_that_works_resets_them(
     dispatcher: Dispatcher,
     database_url: str,
