@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -38,6 +38,13 @@ SCRIPTS = {  # lua/: one script per step a slot goes through
 # Slots per script run of a claim's acquire: a run holds Redis while it loops (a few
 # microseconds a slot).
 SLOTS_PER_RUN = 100
+
+# Seconds between a family's slot wakes (caps_release.lua): a freed slot's waiting row waits
+# half of it on average before a claim lets it in. A claim holds its rows' slots while their
+# messages queue, so under a backlog an actor's slots go round claim, queue, handler and this
+# wait: at 50 actors capped at 4, 100 ms drained 1,540-1,650 rows/s and 50 ms 1,810-1,960
+# (uncapped: 2,530). Slots freed inside a window are taken by the listener's trailing claim.
+WAKE_WINDOW = 0.05
 
 # A heartbeat's slot renewal gives up this soon (a partition must not hang the heartbeat
 # thread past the slot's end): the holder can then stop before its slot runs out.
@@ -69,7 +76,7 @@ def _script(name: str) -> str:
 class Caps:
     """Acquire, renew, release and restore cap slots. Connects lazily."""
 
-    def __init__(self, redis_url: str, prefix: str, *, wake_window: float = 0.1) -> None:
+    def __init__(self, redis_url: str, prefix: str, *, wake_window: float = WAKE_WINDOW) -> None:
         if any(c in prefix for c in "{} \n"):
             raise ConfigurationError(f"cap key prefix {prefix!r} must not contain braces or spaces")
         self.redis_url = redis_url
@@ -129,17 +136,25 @@ class Caps:
                 "capped rows wait in Postgres until it is back"
             ) from exc
 
-    def acquire_many(self, slots: Sequence[Slot], lease: float) -> list[bool]:
-        """One round trip for every slot of a claim, one script run per ``SLOTS_PER_RUN``
-        slots (each run holds Redis while it loops); raises CapsIncomplete after a data loss."""
+    def acquire_many(
+        self, slots: Sequence[Slot], lease: float, *, waiting: bool = False
+    ) -> list[bool]:
+        """One round trip for every slot of a claim (all of one family), one script run per
+        ``SLOTS_PER_RUN`` slots (each run holds Redis while it loops); raises CapsIncomplete
+        after a data loss. A refused slot, or ``waiting`` (the claim sets rows waiting
+        anyway), sets the family's waiting flag (caps_acquire.lua)."""
         if not slots:
             return []
+        family = slots[0].family
+        assert all(s.family == family for s in slots), "one family per claim"
         ms = int(lease * 1000)
+        flag = self.waiting_key(family)
         calls = []
         for at in range(0, len(slots), SLOTS_PER_RUN):  # a script run per SLOTS_PER_RUN slots
             chunk = slots[at : at + SLOTS_PER_RUN]
-            keys = [self.sentinel, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
-            calls.append((keys, [ms, *(x for s in chunk for x in (str(s.token), s.cap))]))
+            keys = [self.sentinel, flag, *(self.key(s.family, s.actor, s.scope) for s in chunk)]
+            args = [ms, int(waiting), *(x for s in chunk for x in (str(s.token), s.cap))]
+            calls.append((keys, args))
         try:
             answers = self._pipelined("acquire", calls)
         except redis.RedisError as exc:
@@ -179,6 +194,22 @@ class Caps:
             return f"{self.prefix}:caps:freed:{family}"
         return f"{self.prefix}:caps:freed:{database}:{family}"
 
+    def waiting_key(self, family: str) -> str:
+        """Set (for two leases) while rows of the family may wait for a slot: only then does
+        a release note its freed slot and wake the claimer (caps_release.lua)."""
+        return f"{self.prefix}:caps:waiting:{family}"
+
+    def note_waiting(self, leases: Mapping[str, float]) -> None:
+        """Set the waiting flag of each family (name -> lease): after a rebuild, whose data
+        loss took the flags with it, as rows may still wait."""
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for family, lease in leases.items():
+                    pipe.set(self.waiting_key(family), "1", px=int(lease * 2000))
+                pipe.execute()
+        except redis.RedisError as exc:
+            raise CapsUnavailable(f"cap waiting flags failed: {_why(exc)}") from exc
+
     def release(self, slots: Sequence[Slot], database: str | None = None) -> bool:
         """Free the slots (of one family) and note them for every database's claimer, which
         lets each actor's next waiting row in. Returns True when the caller should wake the
@@ -213,7 +244,8 @@ class Caps:
         assert all(s.family == family for s in slots), "one family per release run"
         wake = f"{self.prefix}:wake:" + (family if database is None else f"{database}:{family}")
         freed = [self.freed_key(family, d) for d in self.databases]
-        keys = [wake, *freed, *(self.key(s.family, s.actor, s.scope) for s in slots)]
+        slot_keys = (self.key(s.family, s.actor, s.scope) for s in slots)
+        keys = [wake, self.waiting_key(family), *freed, *slot_keys]
         args: list[Any] = [self.wake_ms, len(freed), int(unrenewed)]
         for s in slots:
             args += [str(s.token), s.actor]

@@ -228,7 +228,7 @@ class Claimer:
             ]
             wait = [c.id for c in plan.wait]
             try:
-                granted = caps.acquire_many(slots, family.lease)
+                granted = caps.acquire_many(slots, family.lease, waiting=bool(plan.wait))
             except CapsIncomplete:
                 caps.release_many(slots)
                 raise
@@ -316,12 +316,15 @@ class Claimer:
                     )
             return found
 
-        return rebuild(
+        restored = rebuild(
             self.all_stores or [self.store],
             capped,
             lambda holders: caps.restore(slots(holders)),
             lambda gone: caps.release_many([slot for slot, _ in slots(gone)]),
         )
+        # the data loss took the waiting flags too: rows may wait, so releases note slots
+        caps.note_waiting({name: self.families[name].lease for name in capped})
+        return restored
 
     # -- the claim loop ---------------------------------------------------------------------
 

@@ -438,10 +438,10 @@ class Dispatcher:
 
     def request_claim(self, family: str, database: str | None = None) -> None:
         """Ask for a claim pass of ``family`` in ``database`` (None: the first) now (a slot
-        freed; the release script asks at most once per 100 ms window): a NOTIFY to that
-        database's commit listener, which claims in its own thread at once, or with
-        ``listen=False`` a claim task on the claim queue, which waits for a free pool process
-        behind the deliveries."""
+        freed while rows waited for one; the release script asks at most once per
+        caps.WAKE_WINDOW): a NOTIFY to that database's commit listener, which claims in its
+        own thread at once, or with ``listen=False`` a claim task on the claim queue, which
+        waits for a free pool process behind the deliveries."""
         try:
             db = self.database(database)
             if self.listen:

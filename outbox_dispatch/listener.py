@@ -32,9 +32,11 @@ A capped family whose claim took freed cap slots is claimed again ``trail`` seco
 (the caps' wake window). A release wakes the claimer only once per window (caps_release.lua),
 so the slots freed after a claim took the first ones, within the same window, announced
 nothing: when they were the last of a backlog's releases, their actors' waiting rows sat
-until the next sweep, with every slot free (a backlog of 50 actors at cap 4 drained at 270
-rows/s instead of 2,000). The trailing claim takes them; it repeats while claims find freed
-slots, and one that finds none ends it.
+until the next sweep, with every slot free (a backlog of 50 actors at cap 4 drained at
+260-290 rows/s, and at 1,620 with the trailing claim). The trailing claim takes them; it
+repeats while claims find freed slots, and one that finds none ends it. Slots are noted freed
+only while rows wait for them (caps_acquire.lua), so a capped family at low load starts no
+trail.
 """
 
 from __future__ import annotations

@@ -273,6 +273,14 @@ def test_redis_data_loss_rebuilds_the_semaphores_before_claiming(
     assert second.claimed == []
     assert capped.caps is not None
     assert sorted(capped.caps.holders("capped", "R")) == sorted(str(c.token) for c in first.claimed)
+    # the loss took the family's waiting flag too (here the refused claim set it again): the
+    # rebuild sets it, so that a release still lets the actor's waiting rows in
+    redis.Redis.from_url(caps_url).delete(capped.caps.waiting_key("capped"))
+    capped.claimer.rebuild_caps()
+    capped.caps.take_freed("capped")
+    done = first.claimed[0]
+    assert capped.delivery.deliver(done.id, done.token).outcome is Outcome.DELIVERED
+    assert capped.caps.take_freed("capped").get("R") == 1
 
 
 def test_redis_down_pauses_capped_rows_but_not_uncapped_ones(
@@ -525,7 +533,7 @@ def test_pipelined_scripts_work_as_a_fresh_process_s_first_call_and_after_a_scri
     owner.restore([])  # the semaphores are complete (nothing held)
     a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
     fresh = Caps(caps_url, prefix)  # a new process's: nothing registered, nothing connected
-    assert fresh.acquire_many([a, b], lease=30) == [True, True]
+    assert fresh.acquire_many([a, b], lease=30, waiting=True) == [True, True]
     fresh.hold_releases([a])
     woken = fresh.send_held_releases()
     woken |= fresh.release_settled([], wait=True)  # every answer read
@@ -562,7 +570,7 @@ def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
     caps = Caps(caps_url, f"t{run_id}async")
     caps.restore([])
     slots = [Slot("f", f"a{i}", uuid.uuid4(), 1) for i in range(3)]
-    assert caps.acquire_many(slots, lease=30) == [True] * 3
+    assert caps.acquire_many(slots, lease=30, waiting=True) == [True] * 3
     woken = caps.release_settled(slots[:2], wait=False)  # what arrived by now, maybe nothing
     woken |= caps.release_settled([slots[2]], wait=True)  # reads every answer
     assert woken == {("f", None)}  # the first release of the window asked for a claim
@@ -584,7 +592,8 @@ def test_held_releases_go_out_with_the_next_start_or_at_the_messages_end(
     caps.restore([])
     a, b, c = (Slot("f", x, uuid.uuid4(), 1) for x in "abc")
     g = Slot("g", "a", uuid.uuid4(), 1)
-    assert caps.acquire_many([a, b, c, g], lease=30) == [True] * 4
+    assert caps.acquire_many([a, b, c], lease=30, waiting=True) == [True] * 3
+    assert caps.acquire_many([g], lease=30, waiting=True) == [True]
     caps.hold_releases([a])
     caps.hold_releases([g])
     caps.hold_releases([b])
@@ -601,7 +610,7 @@ def test_held_releases_go_out_with_the_next_start_or_at_the_messages_end(
     assert caps.send_held_releases() == set()  # nothing held: no write
     # a process delivering for two databases holds both's releases: each wake names its own
     d2, d3 = Slot("f", "d", uuid.uuid4(), 1), Slot("f", "e", uuid.uuid4(), 1)
-    assert caps.acquire_many([d2, d3], lease=30) == [True, True]
+    assert caps.acquire_many([d2, d3], lease=30, waiting=True) == [True, True]
     time.sleep(caps.wake_ms / 1000 + 0.05)  # past the first database's wake window
     caps.hold_releases([d2], "db2")
     caps.hold_releases([d3])
@@ -620,7 +629,7 @@ def test_the_heartbeats_tick_writes_held_releases_only_when_that_needs_no_waitin
     caps = Caps(caps_url, f"t{run_id}tick")
     caps.restore([])
     a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
-    assert caps.acquire_many([a, b], lease=30) == [True, True]
+    assert caps.acquire_many([a, b], lease=30, waiting=True) == [True, True]
     writes = caps._writes
     caps.hold_releases([a])  # opens the writes' connection (the delivery path may wait)
     assert writes._conn is not None
@@ -648,6 +657,28 @@ def test_the_heartbeats_tick_writes_held_releases_only_when_that_needs_no_waitin
     caps.close()
 
 
+def test_a_release_notes_its_slot_and_wakes_the_claimer_only_while_rows_wait(
+    caps_url: str, run_id: str
+) -> None:
+    """With no row waiting for a slot, a release frees its slot and that is all: no freed
+    note, no wake, so a capped family at low load costs its claimer no extra claim. A slot
+    refused (or a claim that sets rows waiting) sets the family's waiting flag, for two
+    leases, in the same script run, so the holder's release right after notes its slot for
+    the actor's waiting row and wakes the claimer."""
+    caps = Caps(caps_url, f"t{run_id}flag")
+    caps.restore([])
+    a = Slot("f", "a", uuid.uuid4(), 1)
+    assert caps.acquire_many([a], lease=30) == [True]
+    assert caps.release_settled([a], wait=True) == set()
+    assert caps.holders("f", "a") == [] and caps.take_freed("f") == {}
+    held, refused = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "a", uuid.uuid4(), 1)
+    assert caps.acquire_many([held, refused], lease=30) == [True, False]
+    assert 0 < redis.Redis.from_url(caps_url).pttl(caps.waiting_key("f")) <= 60_000
+    assert caps.release_settled([held], wait=True) == {("f", None)}
+    assert caps.take_freed("f") == {"a": 1}
+    caps.close()
+
+
 def test_a_release_sent_before_redis_lost_its_scripts_runs_again_once(
     caps_url: str, run_id: str
 ) -> None:
@@ -656,7 +687,7 @@ def test_a_release_sent_before_redis_lost_its_scripts_runs_again_once(
     caps = Caps(caps_url, f"t{run_id}flush")
     caps.restore([])
     first, second = Slot("f", "a", uuid.uuid4(), 2), Slot("f", "a", uuid.uuid4(), 2)
-    assert caps.acquire_many([first, second], lease=30) == [True, True]
+    assert caps.acquire_many([first, second], lease=30, waiting=True) == [True, True]
     assert caps.release_settled([first], wait=True) == {("f", None)}  # the connection is open now
     redis.Redis.from_url(caps_url).script_flush()
     caps.release_settled([second], wait=True)
