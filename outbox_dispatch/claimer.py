@@ -30,6 +30,7 @@ from .policy import (
     Candidate,
     CapRule,
     Family,
+    FeedBasis,
     broker_room,
     cap_rule,
     claim_can_wait,
@@ -136,6 +137,18 @@ class Claimer:
             queued=self.queued(family) if queued is None else queued,
             run_time=stats[1] if stats else None,
             lease=family.lease,
+        )
+
+    def feed_basis(self, family: Family) -> FeedBasis | None:
+        """What the local feed needs of a family pinned to one row per message (a family that
+        packs a backlog needs none), once its handlers' run time has been measured."""
+        if family.most_per_message > 1 or self.run_stats is None:
+            return None
+        stats = self.run_stats.of(family.name)
+        if stats is None:
+            return None
+        return FeedBasis(
+            max(self.consumers(), stats[0]), stats[1], family.max_in_flight, family.lease
         )
 
     def consumers_of(self, family: Family) -> int:

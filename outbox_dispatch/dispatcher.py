@@ -635,11 +635,14 @@ class Dispatcher:
         """One message per row, or per ``size`` rows; all on one producer connection. The
         messages name ``database`` unless it is the first. The queue's cached length counts
         those put on the broker until it is read again (a claim that follows within the
-        cache's life sees them)."""
+        cache's life sees them). A family pinned to one row per message feeds this worker's
+        own consumer its share of the rows (policy.local_feed)."""
         if rows:
             db = self.database(database)
             named = None if db.primary else db.name
-            sent = self.publisher.publish(family, rows, self.queue_name(family.name), size, named)
+            feed = db.claimer.feed_basis(family) if self.publisher.local is not None else None
+            queue = self.queue_name(family.name)
+            sent = self.publisher.publish(family, rows, queue, size, named, feed)
             self.queues.published(family, sent)
 
     def hand_unclaimed(

@@ -42,6 +42,7 @@ from kombu.message import Message
 
 from .forksafe import ForkSafeLock
 from .logs import event
+from .policy import FeedBasis, local_feed
 from .publisher import Wire
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,14 @@ class LocalHandoff:
 
     # -- the claimer's side (any thread of this process) ------------------------------------
 
-    def take(self, queue: str, wires: Sequence[Wire], *, idle: bool = False) -> int:
+    def take(
+        self,
+        queue: str,
+        wires: Sequence[Wire],
+        *,
+        idle: bool = False,
+        feed: FeedBasis | None = None,
+    ) -> int:
         """Keep the first of ``wires`` this worker has room for; returns how many. Room: what
         it would prefetch from the broker (its pool processes times the prefetch multiplier,
         one by default), less the requests it already holds, so that a handed-off message
@@ -224,7 +232,9 @@ class LocalHandoff:
         unclaimed): only as many as there are pool processes that run nothing. Such a row
         waiting here would be better claimed and sent to a free process. Rows allowed to wait
         behind short handlers were measured: under load they waited past their hold
-        (handed.py), and the claims took them and their starts were dropped."""
+        (handed.py), and the claims took them and their starts were dropped. ``feed``
+        (claimed one-row messages): more, the worker's share of the claim, so long as what
+        waits here stays a fraction of a second of its processes' work (policy.local_feed)."""
         if self._pid != os.getpid():  # a forked pool process (a claim task): never attached here
             return 0
         with self._lock:
@@ -234,6 +244,9 @@ class LocalHandoff:
             room = self._prefetch() - held
             if idle:
                 room = self._processes() - held
+            elif feed is not None:
+                waiting = len(self._pending) + self._giving + len(self._outstanding)
+                room = max(room, local_feed(feed, self._processes(), len(wires), waiting))
             taken = list(wires[: max(0, room)])
             if not taken:
                 return 0

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from celery import Celery, signals
 
-from .policy import Family
+from .policy import Family, FeedBasis
 from .rows import Claimed
 
 _DISPLAY = ("shadow", "argsrepr", "kwargsrepr")
@@ -53,7 +53,14 @@ class LocalSink(Protocol):
     """Where a claim's messages may go instead of the broker (handoff.py): ``take`` keeps the
     first messages it has room for and says how many."""
 
-    def take(self, queue: str, wires: Sequence[Wire], *, idle: bool = False) -> int: ...
+    def take(
+        self,
+        queue: str,
+        wires: Sequence[Wire],
+        *,
+        idle: bool = False,
+        feed: FeedBasis | None = None,
+    ) -> int: ...
 
 
 class Publisher:
@@ -73,11 +80,14 @@ class Publisher:
         queue: str,
         size: int = 1,
         database: str | None = None,
+        feed: FeedBasis | None = None,
     ) -> int:
         """One message per row, or per ``size`` rows; the first ones to this worker's own
         consumer when it has room for them (handoff.py), the rest on one producer, one
         pipeline. ``database``: the name the messages carry (None for the first database,
-        whose messages carry none; databases.py). Returns the messages put on the broker."""
+        whose messages carry none; databases.py). ``feed``: one-row messages may go to this
+        worker past its prefetch room (policy.local_feed). Returns the messages put on the
+        broker."""
         messages: Outgoing = []
         step = max(1, size)
         head: tuple[Any, ...] = () if database is None else (database,)
@@ -98,7 +108,7 @@ class Publisher:
             return len(messages)
         wires = self.wires(queue, messages)
         if self.local is not None:
-            wires = wires[self.local.take(queue, wires) :]
+            wires = wires[self.local.take(queue, wires, feed=feed if step == 1 else None) :]
         if wires:
             self.send(queue, wires)
         return len(wires)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 from outbox_dispatch import Context
@@ -15,10 +16,13 @@ from tests.acceptance.envapp import SCHEMA, make_app
 app, dispatcher = make_app("acceptance-batch", claim_interval=0.3, consumers=1)
 dispatcher.family("batchkill", lease=10, heartbeat_timeout=1)
 dispatcher.family("handkill", lease=60, heartbeat_timeout=1)  # a lease no test waits for
+# one row per message, short handlers: a claim feeds the worker past its prefetch (handoff.py)
+dispatcher.family("feedkill", batch=1, lease=5, heartbeat_timeout=1, max_in_flight=40)
 
 
 @dispatcher.handler("acc.batchkill", family="batchkill")
 @dispatcher.handler("acc.handkill", family="handkill")
+@dispatcher.handler("acc.feedkill", family="feedkill")
 def batchkill(ctx: Context, payload: Any) -> None:
     with dispatcher.store.connection() as conn:
         conn.execute(
@@ -26,5 +30,7 @@ def batchkill(ctx: Context, payload: Any) -> None:
             " VALUES (%s, %s, %s, %s, %s)",
             (ctx.row_id, ctx.command, ctx.attempt, os.getpid(), ctx.maybe_applied),
         )
+    if payload.get("block") and ctx.attempt == 1:
+        time.sleep(60)  # the test kills the worker meanwhile
     if payload.get("kill") and ctx.attempt == 1:
         os.kill(os.getpid(), signal.SIGKILL)

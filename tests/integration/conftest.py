@@ -70,6 +70,7 @@ def dispatcher(
     # declared before the session's worker starts, so that it consumes their queues
     d.family("plain")  # nothing set: batches sized per claim
     d.family("cappedbatch", per_actor=2, lease=30)
+    d.family("single", batch=1)  # one row per message: the local feed (handoff.py)
     yield d
     d.close()
 

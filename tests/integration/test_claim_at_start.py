@@ -311,8 +311,8 @@ def test_a_named_rows_message_is_the_one_row_message_with_its_start_told_to_clai
     taken: list[Wire] = []
 
     class Sink:
-        def take(self, queue: str, wires: Any, *, idle: bool = False) -> int:
-            assert idle
+        def take(self, queue: str, wires: Any, *, idle: bool = False, feed: Any = None) -> int:
+            assert idle and feed is None
             taken.extend(wires)
             return len(wires)
 

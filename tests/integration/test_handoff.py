@@ -308,3 +308,84 @@ def test_messages_a_stopping_consumer_cannot_publish_run_when_it_starts_again(
     in_loop(worker, lambda: h.attach(worker.consumer))  # the broker is back
     assert ran.wait(3), "the kept message did not run when the consumer started again"
     assert h.handed == 1 and sent == []
+
+
+def _measured(dispatcher: Dispatcher, commands: Callable[..., str], database_url: str) -> None:
+    """One row of family "single" delivered, and its run time read back by the claimer: the
+    local feed sizes itself from it (policy.local_feed)."""
+    cmd = commands(family="single", fn=lambda ctx, payload: time.sleep(0.01))
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        dispatcher.enqueue(conn, cmd, {})
+    dispatcher.drain(timeout=10)
+    wait_for(
+        lambda: dispatcher.claimer.feed_basis(dispatcher.families["single"]) is not None,
+        "the family's run time was never read",
+        timeout=5,
+    )
+
+
+def test_a_claim_of_one_row_messages_feeds_the_worker_its_share_past_its_prefetch(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
+) -> None:
+    """A family pinned to one row per message skips the broker for three quarters of a
+    claim when this worker is its only consumer (each broker message costs the worker's
+    main thread a fetch and two round trips to Redis); the last quarter goes through the
+    broker, where a worker that joins finds it. Each row runs once."""
+    _measured(dispatcher, commands, database_url)
+    h, sent = handoff
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def note(ctx: Context, payload: Any) -> None:
+        with lock:
+            seen.append(ctx.row_id)
+        time.sleep(0.01)
+
+    cmd = commands(family="single", fn=note)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(40)])
+    assert dispatcher.claim_and_publish(["single"]).claimed == {"single": 40}
+    wait_for(lambda: len(seen) == 40, "rows were never delivered")
+    assert sorted(seen) == sorted(ids)  # each once
+    assert int(worker.consumer.qos.value) < h.handed == 30
+    assert sum(sent) == 10
+
+
+def test_a_fed_worker_whose_consumer_stops_gives_what_waits_to_the_broker(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    handoff: tuple[LocalHandoff, list[int]],
+    worker: Any,
+    database_url: str,
+) -> None:
+    """A warm shutdown with a fed backlog: what has not started goes to the broker (here the
+    same worker takes it from there), what runs finishes, and each row runs once."""
+    _measured(dispatcher, commands, database_url)
+    h, sent = handoff
+    release = threading.Event()
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def hold(ctx: Context, payload: Any) -> None:
+        with lock:
+            seen.append(ctx.row_id)
+        assert release.wait(10)
+
+    cmd = commands(family="single", fn=hold)
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(40)])
+    try:
+        assert dispatcher.claim_and_publish(["single"]).claimed == {"single": 40}
+        assert h.handed == 30
+        wait_for(lambda: len(seen) == 4, "the pool threads never took the first rows")
+        in_loop(worker, h.detach)  # what the consumer step does when the consumer stops
+        assert sum(sent) > 10  # the broker's quarter, and the fed rows that had not started
+    finally:
+        release.set()
+    wait_for(lambda: len(seen) == 40, "rows were never delivered")
+    assert sorted(seen) == sorted(ids)  # each once
+    wait_for(lambda: count_rows(database_url, dispatcher.schema) == 0, "rows not settled")
