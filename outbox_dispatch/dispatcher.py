@@ -644,6 +644,7 @@ class Dispatcher:
             queue = self.queue_name(family.name)
             sent = self.publisher.publish(family, rows, queue, size, named, feed)
             self.queues.published(family, sent)
+            metrics.handed_off(family.name, math.ceil(len(rows) / max(1, size)) - sent, db.name)
 
     def hand_unclaimed(
         self, named: Mapping[str, Sequence[Named]], database: str | None = None
@@ -663,6 +664,7 @@ class Dispatcher:
             unclaimed = [Claimed(r.id, uuid.uuid4(), r.command, r.actor, 1) for r in rows]
             queue = self.queue_name(name)
             handed = self.publisher.hand_unclaimed(family, unclaimed, queue, shown)
+            metrics.handed_off(name, handed, db.name)
             db.claimer.handed.add(name, (row.id for row in rows[:handed]))
             if handed < len(rows):
                 left.add(name)

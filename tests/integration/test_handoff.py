@@ -348,11 +348,22 @@ def test_a_claim_of_one_row_messages_feeds_the_worker_its_share_past_its_prefetc
     cmd = commands(family="single", fn=note)
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(40)])
+    before = _handed_off("single")
     assert dispatcher.claim_and_publish(["single"]).claimed == {"single": 40}
     wait_for(lambda: len(seen) == 40, "rows were never delivered")
     assert sorted(seen) == sorted(ids)  # each once
     assert int(worker.consumer.qos.value) < h.handed == 30
     assert sum(sent) == 10
+    assert _handed_off("single") - before == 30  # what operators see of it
+
+
+def _handed_off(family: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(
+        "outbox_handed_off_total", {"database": "default", "family": family}
+    )
+    return value or 0.0
 
 
 def test_a_fed_worker_whose_consumer_stops_gives_what_waits_to_the_broker(
