@@ -147,9 +147,7 @@ class Claimer:
         stats = self.run_stats.of(family.name)
         if stats is None:
             return None
-        return FeedBasis(
-            max(self.consumers(), stats[0]), stats[1], family.max_in_flight, family.lease
-        )
+        return FeedBasis(self.consumers_of(family), stats[1], family.max_in_flight, family.lease)
 
     def consumers_of(self, family: Family) -> int:
         """The processes that consume the family's queue at least: the setting (or this

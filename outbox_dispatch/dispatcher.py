@@ -643,8 +643,8 @@ class Dispatcher:
             feed = db.claimer.feed_basis(family) if self.publisher.local is not None else None
             queue = self.queue_name(family.name)
             sent = self.publisher.publish(family, rows, queue, size, named, feed)
-            self.queues.published(family, sent)
-            metrics.handed_off(family.name, math.ceil(len(rows) / max(1, size)) - sent, db.name)
+            self.queues.published(family, sent.broker)
+            metrics.handed_off(family.name, sent.local, db.name)
 
     def hand_unclaimed(
         self, named: Mapping[str, Sequence[Named]], database: str | None = None

@@ -19,7 +19,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from celery import Celery, signals
 
@@ -63,6 +63,13 @@ class LocalSink(Protocol):
     ) -> int: ...
 
 
+class Published(NamedTuple):
+    """Where a claim's messages went: the broker, or this worker's own consumer."""
+
+    broker: int
+    local: int
+
+
 class Publisher:
     def __init__(
         self, app: Celery, task: Any, name: Namer = family_command, row_task: Any = None
@@ -81,13 +88,13 @@ class Publisher:
         size: int = 1,
         database: str | None = None,
         feed: FeedBasis | None = None,
-    ) -> int:
+    ) -> Published:
         """One message per row, or per ``size`` rows; the first ones to this worker's own
         consumer when it has room for them (handoff.py), the rest on one producer, one
         pipeline. ``database``: the name the messages carry (None for the first database,
-        whose messages carry none; databases.py). ``feed``: one-row messages may go to this
-        worker past its prefetch room (policy.local_feed). Returns the messages put on the
-        broker."""
+        whose messages carry none; databases.py). ``feed`` (a family pinned to one row per
+        message, Claimer.feed_basis): this worker may take more than its prefetch room
+        (policy.local_feed)."""
         messages: Outgoing = []
         step = max(1, size)
         head: tuple[Any, ...] = () if database is None else (database,)
@@ -105,13 +112,12 @@ class Publisher:
             with self.app.producer_or_acquire() as producer, _batched(producer, len(messages)):
                 for args, options in messages:
                     self._task_for(args).apply_async(args, producer=producer, **options)
-            return len(messages)
+            return Published(len(messages), 0)
         wires = self.wires(queue, messages)
-        if self.local is not None:
-            wires = wires[self.local.take(queue, wires, feed=feed if step == 1 else None) :]
-        if wires:
-            self.send(queue, wires)
-        return len(wires)
+        taken = self.local.take(queue, wires, feed=feed) if self.local is not None else 0
+        if wires[taken:]:
+            self.send(queue, wires[taken:])
+        return Published(len(wires) - taken, taken)
 
     def hand_unclaimed(
         self, family: Family, rows: Sequence[Claimed], queue: str, database: str | None = None
