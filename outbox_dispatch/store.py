@@ -75,6 +75,11 @@ def translated(action: str) -> Iterator[None]:
             f"{action}: outbox table not found ({mask_dsn(str(exc.diag.message_primary))}): "
             "run `outbox-dispatch migrate`"
         ) from exc
+    except psycopg.errors.UndefinedFunction as exc:  # a schema migrated by an older version
+        raise SchemaNotReady(
+            f"{action}: the outbox schema is behind this version "
+            f"({mask_dsn(str(exc.diag.message_primary))}): run `outbox-dispatch migrate`"
+        ) from exc
     except psycopg.Error as exc:
         raise DatabaseError(f"{action} failed: {mask_dsn(str(exc))}") from exc
 
@@ -494,7 +499,7 @@ class Store:
     def claim_start(
         self, family: Family, row_id: int, token: UUID, run_lease: float
     ) -> Started | None:
-        """Claim and start a row nobody holds, under ``token``: one statement, one round trip
+        """Claim and start a row nobody holds, under ``token``: one round trip
         (deliver_claim_begin), which takes the family's claim lock and waits for its flush.
         Returns the started row; None when it is held, gone, not due, or the family has no
         room (a NOTIFY then asks the listener for a claim)."""
@@ -509,8 +514,7 @@ class Store:
         }
         with translated("delivery start"), self._starting() as conn:
             row = conn.execute(self.q["deliver_claim_begin"], params).fetchone()
-        assert row is not None  # a left join of one row: always one row
-        return _started(row_id, token, row if row[0] is not None else None)
+        return _started(row_id, token, row)
 
     def settle_many(self, kind: SettleKind, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
         """Settle delivered rows (``delete`` or ``done``) handed to the deferred settles;

@@ -52,49 +52,12 @@ FROM (SELECT set_config('synchronous_commit',
 -- name: deliver_claim_begin
 -- A start that claims: a row a commit's NOTIFY named (enqueue_insert), handed unclaimed by
 -- the listener to an idle pool process of its own worker, is claimed and started here, in
--- one statement and one round trip after the hop, where a claim, the hop and a start take
--- three. It takes the family's claim lock first, as a claim does, and counts the live claims
--- after it (outbox_live_claims takes its own snapshot), so no claim races its in-flight
--- count. It commits as a claim does, waiting for its WAL flush: a start lost in a crash is
--- lost with its claim, and the row is as it was. Only a row no one holds (no token) and that
--- is due: a lapsed claim's row is the claim's to judge (a lost attempt). A row it does not
--- start is left as it is; when it is still there for a claim to take (no room in flight),
--- a NOTIFY of its family asks the listener for one at once. A row a claim took first asks
--- nothing: its claim's message delivers it.
-WITH locked AS MATERIALIZED (
-    SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
-           set_config('enable_bitmapscan', 'off', true),
-           set_config('synchronous_commit',
-               CASE WHEN current_setting('synchronous_commit') = 'off' THEN 'local'
-                    ELSE current_setting('synchronous_commit') END,
-               true)
-), room AS MATERIALIZED (
-    SELECT __SCHEMA__.outbox_live_claims(%(family)s, %(max_in_flight)s::int, now())
-        < %(max_in_flight)s::int AS free
-    FROM locked
-), started AS (
-    UPDATE __SCHEMA__.outbox SET attempts = attempts + 1, claim_token = %(token)s,
-        claimed_at = now(), due_since = due_at, started_at = now(), waiting = false,
-        due_at = now() + make_interval(secs => %(run_lease)s)
-    WHERE id = %(id)s AND family = %(family)s AND claim_token IS NULL AND due_at <= now()
-      AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL AND NOT waiting
-      AND NOT blocked AND (SELECT free FROM room)
-    RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
-        EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id)
-            AS cancel_requested,
-        extract(epoch FROM now() - due_since)::float8 AS waited, trace_context,
-        0::float8 AS claim_age
-)
-SELECT s.family, s.command, s.actor, s.payload, s.attempts, s.maybe_applied, s.dedupe_key,
-    s.cancel_requested, s.waited, s.trace_context, s.claim_age
-FROM (SELECT count(*) FROM locked) AS one LEFT JOIN started s ON true
-LEFT JOIN LATERAL (
-    SELECT pg_notify(%(channel)s, %(family)s)
-    WHERE s.family IS NULL AND EXISTS (
-        SELECT 1 FROM __SCHEMA__.outbox o
-        WHERE o.id = %(id)s AND o.claim_token IS NULL AND o.due_at <= now()
-          AND o.parked_at IS NULL AND o.cancelled_at IS NULL AND o.done_at IS NULL)
-) w ON true;
+-- one round trip after the hop, where a claim, the hop and a start take three. The function
+-- (migration 0008) takes the family's claim lock, counts the live claims after it, starts
+-- the row if there is room, and waits for its WAL flush; it returns the started row or no
+-- row, and asks the listener for a claim when the row is left for one.
+SELECT * FROM __SCHEMA__.outbox_claim_start(%(id)s, %(token)s, %(run_lease)s::float8,
+    %(family)s, %(max_in_flight)s::int, %(lock_name)s, %(channel)s);
 
 -- name: deliver_explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,

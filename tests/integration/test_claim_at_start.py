@@ -330,3 +330,52 @@ def test_a_named_rows_message_is_the_one_row_message_with_its_start_told_to_clai
     assert wire.headers["shadow"] == "quick:t.shown"
     assert wire.headers["argsrepr"] == "(row=7, actor='ann', attempt=1)"
     assert wire.headers["kwargsrepr"] == "{'claim_at_start': True}"
+
+
+def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_leaves_the_row(
+    database_url: str, redis_url: str, run_id: str
+) -> None:
+    """A worker of this version against a schema its migrations have not reached (no
+    outbox_claim_start, migration 0008): the start fails with SchemaNotReady naming the
+    command to run, and the row is as it was, for a claim (which needs no new function) to
+    deliver; once migrated, the same start claims and runs it."""
+    from celery import Celery
+
+    from outbox_dispatch.errors import SchemaNotReady
+
+    schema = f"od_test_{run_id}_behind"
+    d = Dispatcher(
+        Celery("behind", broker=redis_url),
+        database_url=database_url,
+        redis_url=redis_url,
+        schema=schema,
+        listen=False,
+    )
+    ran: list[int] = []
+    d.family("quick", lease=5)
+    d.handler("t.behind", family="quick")(lambda ctx, payload: ran.append(ctx.row_id))
+    try:
+        d.migrate()
+        with psycopg.connect(database_url, autocommit=True) as conn:  # as before 0008
+            conn.execute(f'DROP FUNCTION "{schema}".outbox_claim_start')
+            conn.execute(f'DELETE FROM "{schema}".outbox_migrations WHERE version = 8')
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            row_id = d.enqueue(conn, "t.behind", {})
+        delivery = d.database().delivery
+        message = (row_id, str(uuid.uuid4()))
+        with pytest.raises(SchemaNotReady, match="run `outbox-dispatch migrate`"):
+            delivery.deliver_message(message, family_hint="quick", claim=True)
+        with psycopg.connect(database_url) as conn:
+            row = conn.execute(
+                f'SELECT attempts, claim_token, started_at FROM "{schema}".outbox WHERE id = %s',
+                (row_id,),
+            ).fetchone()
+        assert row == (0, None, None) and ran == []
+
+        assert d.migrate() == [8]
+        (result,) = delivery.deliver_message(message, family_hint="quick", claim=True)
+        assert result.outcome is Outcome.DELIVERED and ran == [row_id]
+    finally:
+        d.close()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
