@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,9 @@ class Publisher:
         self.row_task = task if row_task is None else row_task  # a one-row message's
         self.name = name
         self.local: LocalSink | None = None  # this worker's consumer (handoff.py), if any
+        # Celery's message per task name, built once per process: its origin names the pid
+        self._templates: dict[str, tuple[dict[str, Any], dict[str, Any], Any]] = {}
+        self._templates_pid = 0
 
     def publish(
         self,
@@ -168,24 +172,11 @@ class Publisher:
         return self.task if args and isinstance(args[-1], list) else self.row_task
 
     def wires(self, queue_name: str, messages: Outgoing) -> list[Wire]:
-        """The messages as the broker carries them. Celery builds one message per claim and
-        task, the template; each is a copy with its own task id, args and display fields."""
-        templates: dict[str, tuple[dict[str, Any], dict[str, Any], Any]] = {}
+        """The messages as the broker carries them: each a copy of its task's template with
+        its own task id, args, time limits and display fields."""
         out = []
         for args, options in messages:
-            task = self._task_for(args)
-            if task.name not in templates:
-                headers0, properties0, body0, _ = self.app.amqp.create_task_message(
-                    "template",
-                    task.name,
-                    args,
-                    {},
-                    ignore_result=True,
-                    time_limit=options.get("time_limit"),
-                    soft_time_limit=options.get("soft_time_limit"),
-                )
-                templates[task.name] = (headers0, properties0, body0[2])
-            headers0, properties0, embed = templates[task.name]
+            headers0, properties0, embed = self._template(self._task_for(args))
             task_id = str(uuid.uuid4())
             headers = {**headers0, "id": task_id, "root_id": task_id}
             for key in _DISPLAY:
@@ -195,6 +186,20 @@ class Publisher:
             body = json.dumps([list(args), options.get("kwargs", {}), embed])
             out.append(Wire(task_id, body, headers, {**properties0, "correlation_id": task_id}))
         return out
+
+    def _template(self, task: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """The message Celery builds for ``task`` (headers, properties, the body's embed),
+        once per process: building it is most of a lone message's cost on the commit wake's
+        path, and nothing in it varies but what ``wires`` sets."""
+        if self._templates_pid != os.getpid():
+            self._templates, self._templates_pid = {}, os.getpid()
+        found = self._templates.get(task.name)
+        if found is None:
+            headers0, properties0, body0, _ = self.app.amqp.create_task_message(
+                "template", task.name, (), {}, ignore_result=True
+            )
+            found = self._templates[task.name] = (headers0, properties0, body0[2])
+        return found
 
     def _put(self, producer: Any, queue_name: str, wires: Sequence[Wire]) -> None:
         conf = self.app.conf
