@@ -71,6 +71,8 @@ class Registry:
         self._by_command: dict[str, Registration] = {}
         self.resolve = resolve
         self._resolved: dict[str, Registration] = {}
+        # families with a command capped on its own: asked for every row a commit names
+        self._capped: frozenset[str] = frozenset()
 
     def add(self, reg: Registration, known_families: set[str]) -> None:
         if reg.family not in known_families:
@@ -80,17 +82,18 @@ class Registry:
             )
         existing = self._by_command.get(reg.command)
         if existing is not None:
-            if existing.fn is None and reg.fn is not None and existing.family == reg.family:
-                # a declaration upgraded to a handler
-                self._by_command[reg.command] = reg
-                return
             if existing == reg:
                 return
-            raise DuplicateRegistration(
-                f"command {reg.command!r} is already registered (family {existing.family!r}): "
-                "give each command one handler"
-            )
+            if not (existing.fn is None and reg.fn is not None and existing.family == reg.family):
+                raise DuplicateRegistration(
+                    f"command {reg.command!r} is already registered (family "
+                    f"{existing.family!r}): give each command one handler"
+                )
+            # a declaration upgraded to a handler
         self._by_command[reg.command] = reg
+        self._capped = frozenset(
+            r.family for r in self._by_command.values() if r.per_actor is not None
+        )
 
     def family_of(self, command: object) -> str:
         if not isinstance(command, str) or not command:
@@ -127,6 +130,4 @@ class Registry:
         return reg.per_actor if reg else None
 
     def capped_commands(self, family: str) -> bool:
-        return any(
-            r.family == family and r.per_actor is not None for r in self._by_command.values()
-        )
+        return family in self._capped
