@@ -1,10 +1,10 @@
 """Handler run times, measured where handlers run and read where claims are sized.
 
 Each delivering process keeps a moving mean of its handlers' run time per family and reports
-it to Postgres every few seconds (one upsert, off nothing's critical path but the row that
-happens to cross the interval). A claimer reads the reports of the last half minute: their
-mean run time bounds how many rows one message may carry, and the number of processes that
-reported is how many consumers the family has at least.
+it to Postgres every few seconds, sooner after its first (one upsert, off nothing's critical
+path but the row that happens to cross the interval). A claimer reads the reports of the
+last half minute: their mean run time bounds how many rows one message may carry, and the
+number of processes that reported is how many consumers the family has at least.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from .errors import OutboxError
 from .forksafe import ForkSafeLock
@@ -22,29 +23,41 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 REPORT_EVERY = 2.0  # seconds between one process's reports for a family
+REPORT_FIRST = 0.25  # ... after its first report, doubling up to REPORT_EVERY
 MAX_AGE = 30.0  # seconds a report counts for the claimer
 READ_EVERY = 1.0  # seconds a claimer reuses what it read
+READ_MISSING = 0.1  # ... when the family asked for had no report in it
 WEIGHT = 0.2  # of the newest run time in the moving mean
+
+
+def report_interval(reports: int) -> float:
+    """Seconds between a process's report number ``reports`` and the next. The first report
+    is one run (the process's first, often its slowest: imports, connections), so the next
+    ones come sooner: a family's sizing and local feed (policy.local_feed) start from a
+    measured mean within a second of a worker's first row, not after REPORT_EVERY."""
+    return min(REPORT_EVERY, REPORT_FIRST * 2.0 ** max(0, reports - 1))
 
 
 class RunTimes:
     """The delivering side: record each handler's run time, report now and then."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
+        self.clock = clock
         self._mean: dict[str, float] = {}
-        self._reported: dict[str, float] = {}
+        self._reported: dict[str, tuple[float, int]] = {}  # family -> (last report, reports)
         self._lock = ForkSafeLock()
 
     def record(self, family: str, seconds: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             old = self._mean.get(family)
             mean = seconds if old is None else old + WEIGHT * (seconds - old)
             self._mean[family] = mean
-            due = now - self._reported.get(family, -REPORT_EVERY) >= REPORT_EVERY
+            last, reports = self._reported.get(family, (0.0, 0))
+            due = reports == 0 or now - last >= report_interval(reports)
             if due:
-                self._reported[family] = now
+                self._reported[family] = (now, reports + 1)
         if due:
             try:
                 self.store.report_run_time(family, _process(), mean)
@@ -55,14 +68,19 @@ class RunTimes:
 class RunStats:
     """The claiming side: each family's reported consumers and mean run time, cached."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
+        self.clock = clock
         self._stats: dict[str, tuple[int, float]] = {}
-        self._read_at = -READ_EVERY
+        self._read_at: float | None = None
 
     def of(self, family: str) -> tuple[int, float] | None:
-        now = time.monotonic()
-        if now - self._read_at >= READ_EVERY:
+        """A family's (processes that reported, their mean run time), read again after
+        READ_EVERY, or after READ_MISSING while the family has none (a fresh worker's first
+        rows report within milliseconds of the claim that found nothing)."""
+        now = self.clock()
+        again = READ_EVERY if family in self._stats else READ_MISSING
+        if self._read_at is None or now - self._read_at >= again:
             self._read_at = now
             try:
                 self._stats = self.store.run_stats(MAX_AGE)
