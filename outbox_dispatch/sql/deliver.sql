@@ -57,7 +57,7 @@ FROM (SELECT set_config('synchronous_commit',
 -- the row if there is room, and waits for its WAL flush; it returns the started row or no
 -- row, and asks the listener for a claim when the row is left for one.
 SELECT * FROM __SCHEMA__.outbox_claim_start(%(id)s, %(token)s, %(run_lease)s::float8,
-    %(family)s, %(max_in_flight)s::int, %(lock_name)s, %(channel)s);
+    %(family)s, %(max_in_flight)s::int, %(lock_name)s, %(channel)s, now());
 
 -- name: deliver_explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,

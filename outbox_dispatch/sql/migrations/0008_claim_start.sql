@@ -11,10 +11,11 @@
 -- is due: a lapsed claim's row is the claim's to judge (a lost attempt). A row it does not
 -- start is left as it is; when it is still there for a claim to take (no room in flight), a
 -- NOTIFY of its family asks the listener for one at once. A row a claim took first asks
--- nothing: its claim's message delivers it. Returns the started row, or no row.
+-- nothing: its claim's message delivers it. Returns the started row, or no row. Its clock
+-- is the calling statement's now(), passed as p_now (tests move every statement's clock).
 CREATE FUNCTION __SCHEMA__.outbox_claim_start(
     p_id bigint, p_token uuid, p_run_lease float8, p_family text, p_max_in_flight integer,
-    p_lock_name text, p_channel text
+    p_lock_name text, p_channel text, p_now timestamptz
 ) RETURNS TABLE (
     family text, command text, actor text, payload jsonb, attempts integer,
     maybe_applied boolean, dedupe_key text, cancel_requested boolean, waited float8,
@@ -30,20 +31,20 @@ BEGIN
             true);
     IF (SELECT count(*) FROM (
             SELECT 1 FROM __SCHEMA__.outbox l
-            WHERE l.family = p_family AND l.claim_token IS NOT NULL AND l.due_at > now()
+            WHERE l.family = p_family AND l.claim_token IS NOT NULL AND l.due_at > p_now
             ORDER BY l.due_at
             LIMIT p_max_in_flight) AS live) < p_max_in_flight THEN
         RETURN QUERY
         UPDATE __SCHEMA__.outbox o SET attempts = o.attempts + 1, claim_token = p_token,
-            claimed_at = now(), due_since = o.due_at, started_at = now(), waiting = false,
-            due_at = now() + make_interval(secs => p_run_lease)
+            claimed_at = p_now, due_since = o.due_at, started_at = p_now, waiting = false,
+            due_at = p_now + make_interval(secs => p_run_lease)
         WHERE o.id = p_id AND o.family = p_family AND o.claim_token IS NULL
-          AND o.due_at <= now() AND o.parked_at IS NULL AND o.cancelled_at IS NULL
+          AND o.due_at <= p_now AND o.parked_at IS NULL AND o.cancelled_at IS NULL
           AND o.done_at IS NULL AND NOT o.waiting AND NOT o.blocked
         RETURNING o.family, o.command, o.actor, o.payload, o.attempts, o.maybe_applied,
             o.dedupe_key,
             EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id),
-            extract(epoch FROM now() - o.due_since)::float8, o.trace_context, 0::float8;
+            extract(epoch FROM p_now - o.due_since)::float8, o.trace_context, 0::float8;
         IF FOUND THEN
             RETURN;
         END IF;
@@ -51,7 +52,7 @@ BEGIN
     PERFORM pg_notify(p_channel, p_family)
     WHERE EXISTS (
         SELECT 1 FROM __SCHEMA__.outbox n
-        WHERE n.id = p_id AND n.claim_token IS NULL AND n.due_at <= now()
+        WHERE n.id = p_id AND n.claim_token IS NULL AND n.due_at <= p_now
           AND n.parked_at IS NULL AND n.cancelled_at IS NULL AND n.done_at IS NULL);
 END
 $$;
