@@ -32,7 +32,8 @@ def _mask_pool_logs() -> None:
 def _main_session(conn: Conn) -> None:
     """The main pool's sessions, whatever the server's, role's, URL's or pooler's defaults:
 
-    - READ COMMITTED: a claim counts what is in flight after it holds the family lock, so its
+    - READ COMMITTED, for transaction blocks and for lone statements alike: a claim (or a
+      start that claims) counts what is in flight after it holds the family lock, so its
       statements need snapshots taken after the lock, not at the transaction's first statement
       (under REPEATABLE READ it would lease past max_in_flight, or fail to serialize).
     - Commits that wait for the disk, locally where the default is ``synchronous_commit=off``:
@@ -40,7 +41,8 @@ def _main_session(conn: Conn) -> None:
       again. The writes that need not wait say so per transaction (settle_without_flush, and
       the claim or the start, whichever does not flush: guarantees.md)."""
     q = raw_queries()
-    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED  # psycopg's BEGIN says so
+    conn.execute(q["session_reads_committed"])  # and the statements outside a block
     conn.execute(q["session_commits_flush"])
 
 

@@ -73,6 +73,15 @@ RETURNING o.id;
 SELECT set_config('synchronous_commit', 'local', false)
 WHERE current_setting('synchronous_commit') = 'off';
 
+-- name: session_reads_committed
+-- A main-pool session's statements outside a transaction block read committed too, whatever
+-- the server's (or the role's, or the URL's) default: the start that claims is one such
+-- statement, and its function counts the family's in-flight rows after taking the family's
+-- lock; under REPEATABLE READ the whole call would read the snapshot taken before the lock,
+-- miss the claim it waited for, and start a row past max_in_flight. Run once per new
+-- connection (pool.py), as session_commits_flush.
+SELECT set_config('default_transaction_isolation', 'read committed', false);
+
 -- name: settle_without_flush
 -- Deferred settles of delivered rows commit without waiting for their WAL flush: one lost in
 -- a Postgres crash leaves its rows started, and they run again after their lease with

@@ -350,9 +350,11 @@ def test_a_claim_counts_in_flight_after_its_lock_under_a_repeatable_read_default
     outbox = f'"{dispatcher.schema}".outbox'
     results: list[Any] = []
     try:
-        with store.connection() as warm:  # the pool's connection exists before the race
-            row = warm.execute("SHOW default_transaction_isolation").fetchone()
+        with psycopg.connect(url) as plain:  # the URL's default, as a server's could be
+            row = plain.execute("SHOW default_transaction_isolation").fetchone()
             assert row is not None and row[0] == "repeatable read"
+        with store.connection() as warm:  # the pool's connection exists before the race
+            warm.execute("SELECT 1")
         with psycopg.connect(database_url) as other:  # holds the family lock, fills in-flight
             other.execute(
                 "SELECT pg_advisory_xact_lock(hashtext(%s))",
@@ -378,6 +380,65 @@ def test_a_claim_counts_in_flight_after_its_lock_under_a_repeatable_read_default
             f"SELECT count(*) FROM {outbox} WHERE family = %s AND claim_token IS NOT NULL", (name,)
         ).fetchone()
     assert row is not None and row[0] == 5
+
+
+def test_a_start_that_claims_counts_in_flight_after_its_lock_under_a_repeatable_read_default(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """The same for a start that claims (outbox_claim_start, a function whose statements each
+    take a snapshot only under READ COMMITTED): it waits for the family lock while a claim
+    fills the family's in-flight limit, then finds no room and leaves its row as it was."""
+    name = "rs_" + commands().replace(".", "_")
+    family = replace(dispatcher.families["intent"], name=name).with_policy(max_in_flight=5)
+    _bulk_insert(
+        database_url,
+        dispatcher.schema,
+        f"SELECT '{name}', 'x', NULL, '{{}}'::jsonb, now(), NULL FROM generate_series(1, 10)",
+    )
+    url = psycopg.conninfo.make_conninfo(
+        database_url, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    store = Store(url, dispatcher.schema, pool_size=1)
+    outbox = f'"{dispatcher.schema}".outbox'
+    results: list[Any] = []
+    with psycopg.connect(database_url) as conn:
+        (last,) = conn.execute(
+            f"SELECT max(id) FROM {outbox} WHERE family = %s", (name,)
+        ).fetchone() or (None,)
+    try:
+        with psycopg.connect(url) as plain:  # the URL's default, as a server's could be
+            row = plain.execute("SHOW default_transaction_isolation").fetchone()
+            assert row is not None and row[0] == "repeatable read"
+        with store.connection() as warm:  # the pool's connection exists before the race
+            warm.execute("SELECT 1")
+        with psycopg.connect(database_url) as other:  # holds the family lock, fills in-flight
+            other.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(%s))",
+                (f"{dispatcher.schema}.claim.{name}",),
+            )
+            starter = threading.Thread(
+                target=lambda: results.append(store.claim_start(family, last, uuid.uuid4(), 30))
+            )
+            starter.start()
+            _wait_for_lock_wait(database_url)
+            other.execute(
+                f"UPDATE {outbox} SET claim_token = gen_random_uuid(), claimed_at = now(), "
+                f"due_at = now() + interval '60 seconds' WHERE id IN "
+                f"(SELECT id FROM {outbox} WHERE family = %s ORDER BY id LIMIT 5)",
+                (name,),
+            )
+            other.commit()
+            starter.join(10)
+    finally:
+        store.close()
+    assert results == [None], "the start took a row past max_in_flight (or raised)"
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FILTER (WHERE claim_token IS NOT NULL),"
+            f" (SELECT attempts FROM {outbox} WHERE id = %s) FROM {outbox} WHERE family = %s",
+            (last, name),
+        ).fetchone()
+    assert row == (5, 0)
 
 
 def _wait_for_lock_wait(database_url: str) -> None:
