@@ -73,14 +73,19 @@ RETURNING o.id;
 SELECT set_config('synchronous_commit', 'local', false)
 WHERE current_setting('synchronous_commit') = 'off';
 
--- name: session_reads_committed
--- A main-pool session's statements outside a transaction block read committed too, whatever
--- the server's (or the role's, or the URL's) default: the start that claims is one such
--- statement, and its function counts the family's in-flight rows after taking the family's
--- lock; under REPEATABLE READ the whole call would read the snapshot taken before the lock,
--- miss the claim it waited for, and start a row past max_in_flight. Run once per new
--- connection (pool.py), as session_commits_flush.
-SELECT set_config('default_transaction_isolation', 'read committed', false);
+-- name: session_defaults
+-- What a main-pool session's statements rely on, whatever the server's (or the role's, or
+-- the URL's) defaults; run once per new connection (pool.py), as session_commits_flush:
+-- - statements outside a transaction block read committed too: the start that claims is one,
+--   and its function counts the family's in-flight rows after taking the family's lock;
+--   under REPEATABLE READ the whole call would read the snapshot taken before the lock, miss
+--   the claim it waited for, and start a row past max_in_flight;
+-- - dates and intervals come back as psycopg parses them (DateStyle ISO, IntervalStyle
+--   postgres): under 'SQL, DMY' a capped claim, which reads its candidates' due times,
+--   failed on every pass, and the family's rows were never delivered.
+SELECT set_config('default_transaction_isolation', 'read committed', false),
+       set_config('DateStyle', 'ISO', false),
+       set_config('IntervalStyle', 'postgres', false);
 
 -- name: settle_without_flush
 -- Deferred settles of delivered rows commit without waiting for their WAL flush: one lost in

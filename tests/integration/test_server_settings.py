@@ -1,0 +1,94 @@
+"""Settings a user's Postgres may have by default (in postgresql.conf, on the role, or in the
+URL's options) that the outbox's own sessions must not inherit: the main pool sets what its
+statements rely on for each new connection (pool.py, settle.sql's session_defaults)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from celery import Celery
+
+from outbox_dispatch import Context, Dispatcher, PermanentFailure
+from outbox_dispatch.settle import Outcome
+
+STYLES = "-c DateStyle=SQL,\\ DMY -c IntervalStyle=iso_8601"
+
+
+@pytest.fixture
+def styled(database_url: str, redis_url: str, run_id: str) -> Iterator[tuple[Dispatcher, str]]:
+    """A dispatcher on its own schema, through a URL whose sessions default to dates as
+    'SQL, DMY' (04/12/2026 18:20:37 UTC) and intervals as ISO 8601 (PT1S), neither of which
+    psycopg parses."""
+    url = psycopg.conninfo.make_conninfo(database_url, options=STYLES)
+    schema = f"od_test_{run_id}_styles"
+    prefix = f"odstyles{uuid.uuid4().hex[:8]}"
+    d = Dispatcher(
+        Celery("styles", broker="memory://", set_as_current=False),
+        database_url=url,
+        redis_url=redis_url,
+        schema=schema,
+        key_prefix=prefix,
+        listen=False,
+    )
+    try:
+        yield d, url
+    finally:
+        d.close()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
+        client.close()
+
+
+def test_a_server_with_other_date_and_interval_styles_delivers_parks_and_shows_its_rows(
+    styled: tuple[Dispatcher, str],
+) -> None:
+    d, url = styled
+    with psycopg.connect(url) as plain:  # the URL's defaults, as a user's server could set them
+        row = plain.execute("SHOW DateStyle").fetchone()
+        assert row is not None and row[0] == "SQL, DMY"
+        with pytest.raises(NotImplementedError, match="can't parse"):
+            plain.execute("SELECT now()").fetchone()
+    d.family("plain", max_attempts=1, lease=5)
+    d.family("capped", per_actor=1, lease=5)
+    ran: list[int] = []
+
+    def ok(ctx: Context, payload: Any) -> None:
+        ran.append(ctx.row_id)
+
+    def broken(ctx: Context, payload: Any) -> None:
+        raise PermanentFailure("cannot be done")
+
+    d.handler("s.ok", family="plain")(ok)
+    d.handler("s.cap", family="capped")(ok)
+    d.handler("s.broken", family="plain")(broken)
+    d.migrate()
+    with psycopg.connect(url) as conn, conn.transaction():
+        good = d.enqueue(conn, "s.ok", {})
+        capped = d.enqueue(conn, "s.cap", {}, actor="a")
+        bad = d.enqueue(conn, "s.broken", {})
+    report = d.drain(timeout=20)
+    assert report.delivered == 2 and report.count(Outcome.PARKED) == 1
+    assert sorted(ran) == sorted([good, capped])
+    assert {s.family: s.parked for s in d.status()}["plain"] == 1
+    [parked] = d.store.parked_list()
+    assert parked["id"] == bad and parked["parked_at"] >= parked["created_at"]
+    assert d.parked_purge(family="plain") == [bad]
+
+    with psycopg.connect(url) as conn, conn.transaction():  # a delayed row, cancelled
+        later = d.enqueue(conn, "s.ok", {}, delay=timedelta(minutes=5))
+        assert d.cancel(conn, later, reason="styles").cancelled == [later]
+    d.cron("styles", "* * * * * *", "s.ok", {"kind": "cron"}, catch_up="latest")
+    assert d.run_cron() == {}  # creates the schedule's row
+    time.sleep(1.1)
+    assert d.run_cron() == {"styles": 1}  # reads and writes the schedule's times
+    assert d.drain(timeout=20).delivered == 1
