@@ -53,6 +53,7 @@ import psycopg
 from .claimer import ClaimReport
 from .logs import about_database, event, mask_dsn
 from .naming import quoted
+from .sqlfiles import raw_queries
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,8 @@ class CommitListener:
 
     def _serve(self) -> None:
         with psycopg.connect(self.database_url, autocommit=True) as conn:
+            # its waits are idle: a server's idle_session_timeout must not end them (settle.sql)
+            conn.execute(raw_queries()["session_defaults"])
             lock = f"{self.schema}.wake-listener"  # kept: listeners of older versions share it
             while not self._stop.is_set():
                 row = conn.execute(

@@ -38,13 +38,14 @@ def _main_session(conn: Conn) -> None:
       (under REPEATABLE READ it would lease past max_in_flight, or fail to serialize).
     - Dates and intervals in the formats psycopg parses (DateStyle ISO, IntervalStyle
       postgres): a capped claim reads its candidates' due times.
+    - No ``idle_session_timeout``: a pooled connection waits idle between statements.
     - Commits that wait for the disk, locally where the default is ``synchronous_commit=off``:
       a retry, park, cancel or ordered settle lost in a crash of Postgres would run its row
       again. The writes that need not wait say so per transaction (settle_without_flush, and
       the claim or the start, whichever does not flush: guarantees.md)."""
     q = raw_queries()
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED  # psycopg's BEGIN says so
-    conn.execute(q["session_defaults"])  # the statements outside a block, dates, intervals
+    conn.execute(q["session_defaults"])  # outside a block, dates, intervals, idle sessions
     conn.execute(q["session_commits_flush"])
 
 

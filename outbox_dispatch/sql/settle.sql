@@ -82,10 +82,16 @@ WHERE current_setting('synchronous_commit') = 'off';
 --   the claim it waited for, and start a row past max_in_flight;
 -- - dates and intervals come back as psycopg parses them (DateStyle ISO, IntervalStyle
 --   postgres): under 'SQL, DMY' a capped claim, which reads its candidates' due times,
---   failed on every pass, and the family's rows were never delivered.
+--   failed on every pass, and the family's rows were never delivered;
+-- - an idle session is not ended by the server (idle_session_timeout, Postgres 14 and
+--   later): a pool keeps its connections between statements, and the listener's waits for
+--   a NOTIFY are idle; each one ended failed the statement that next used it (a claim, a
+--   start, a settle).
 SELECT set_config('default_transaction_isolation', 'read committed', false),
        set_config('DateStyle', 'ISO', false),
-       set_config('IntervalStyle', 'postgres', false);
+       set_config('IntervalStyle', 'postgres', false),
+       (SELECT set_config('idle_session_timeout', '0', false)
+        WHERE current_setting('idle_session_timeout', true) IS NOT NULL);
 
 -- name: settle_without_flush
 -- Deferred settles of delivered rows commit without waiting for their WAL flush: one lost in

@@ -4,6 +4,7 @@ statements rely on for each new connection (pool.py, settle.sql's session_defaul
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import redis
 from celery import Celery
 
 from outbox_dispatch import Context, Dispatcher, PermanentFailure
+from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.settle import Outcome
 
 STYLES = "-c DateStyle=SQL,\\ DMY -c IntervalStyle=iso_8601"
@@ -92,3 +94,58 @@ def test_a_server_with_other_date_and_interval_styles_delivers_parks_and_shows_i
     time.sleep(1.1)
     assert d.run_cron() == {"styles": 1}  # reads and writes the schedule's times
     assert d.drain(timeout=20).delivered == 1
+
+
+def test_a_server_that_ends_idle_sessions_ends_none_of_ours(
+    database_url: str, redis_url: str, run_id: str
+) -> None:
+    """A server with idle_session_timeout (Postgres 14 and later) ends a session idle for
+    that long: the pool's connections between statements, and the listener's between
+    notifications. Ours opt out, so a claim, a start and a settle after a pause, and a commit's
+    NOTIFY after a quiet spell, all find their sessions alive."""
+    url = psycopg.conninfo.make_conninfo(database_url, options="-c idle_session_timeout=300")
+    with psycopg.connect(url) as plain:
+        row = plain.execute("SHOW idle_session_timeout").fetchone()
+        assert row is not None and row[0] == "300ms"
+    schema = f"od_test_{run_id}_idle"
+    d = Dispatcher(
+        Celery("idle", broker="memory://", set_as_current=False),
+        database_url=url,
+        redis_url=redis_url,
+        schema=schema,
+        key_prefix=f"odidle{uuid.uuid4().hex[:8]}",
+        listen=False,
+    )
+    d.family("plain", lease=5)
+    ran: list[int] = []
+    d.handler("i.ok", family="plain")(lambda ctx, payload: ran.append(ctx.row_id))
+    woke = threading.Event()
+    listener = d.commit_listener()
+    listener.sweep = None
+    try:
+        d.migrate()
+        for _ in range(3):  # each round after the server would have ended an idle session
+            with psycopg.connect(database_url) as conn, conn.transaction():
+                d.enqueue(conn, "i.ok", {})
+            assert d.drain(timeout=10).delivered == 1
+            time.sleep(0.5)
+        assert len(ran) == 3
+
+        def woken(families: list[str] | None) -> ClaimReport:
+            if families is not None:
+                woke.set()
+            return ClaimReport()
+
+        listener.claim = woken
+        listener.hand = None
+        listener.start()
+        assert listener.leading.wait(10)
+        time.sleep(0.8)  # quiet: idle past the server's timeout
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            d.enqueue(conn, "i.ok", {})
+        assert woke.wait(5), "the listener's session was ended while it waited"
+    finally:
+        listener.stop()
+        d.close()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
