@@ -49,6 +49,16 @@ def _main_session(conn: Conn) -> None:
     conn.execute(q["session_commits_flush"])
 
 
+def _handler_session(conn: Conn) -> None:
+    """The handlers' pool's sessions (a transactional handler's writes and its row's settle,
+    one transaction): READ COMMITTED, since the heartbeat renews the row's lease from another
+    connection while the handler runs, and under REPEATABLE READ the settle could not
+    serialize with that renewal (every attempt past a renewal was rolled back); our formats
+    and no idle timeout (settle.sql's handler_session_defaults)."""
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED  # psycopg's BEGIN says so
+    conn.execute(raw_queries()["handler_session_defaults"])
+
+
 class Pools:
     def __init__(
         self,
@@ -90,7 +100,7 @@ class Pools:
                     min_size=low,
                     max_size=high,
                     kwargs={"autocommit": True, **extra},
-                    configure=_main_session if role == "outbox" else None,
+                    configure=_main_session if role == "outbox" else _handler_session,
                     open=True,
                     name=f"{role}-{self.schema}",
                 )

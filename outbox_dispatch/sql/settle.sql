@@ -93,6 +93,16 @@ SELECT set_config('default_transaction_isolation', 'read committed', false),
        (SELECT set_config('idle_session_timeout', '0', false)
         WHERE current_setting('idle_session_timeout', true) IS NOT NULL);
 
+-- name: handler_session_defaults
+-- The handlers' pool (transactional handlers: the handler's writes and its settle, one
+-- transaction, which pool.py begins READ COMMITTED) takes the rest of session_defaults: the
+-- date formats psycopg parses, and no idle_session_timeout (its connections idle between
+-- deliveries; one the server ended failed the next transactional handler's attempt).
+SELECT set_config('DateStyle', 'ISO', false),
+       set_config('IntervalStyle', 'postgres', false),
+       (SELECT set_config('idle_session_timeout', '0', false)
+        WHERE current_setting('idle_session_timeout', true) IS NOT NULL);
+
 -- name: settle_without_flush
 -- Deferred settles of delivered rows commit without waiting for their WAL flush: one lost in
 -- a Postgres crash leaves its rows started, and they run again after their lease with

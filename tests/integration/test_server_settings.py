@@ -119,6 +119,13 @@ def test_a_server_that_ends_idle_sessions_ends_none_of_ours(
     d.family("plain", lease=5)
     ran: list[int] = []
     d.handler("i.ok", family="plain")(lambda ctx, payload: ran.append(ctx.row_id))
+
+    def in_txn(ctx: Context, payload: Any) -> None:  # on the handlers' pool, in the settle's
+        assert ctx.conn is not None
+        ctx.conn.execute("SELECT 1")
+        ran.append(ctx.row_id)
+
+    d.handler("i.txn", family="plain", transactional=True)(in_txn)
     woke = threading.Event()
     listener = d.commit_listener()
     listener.sweep = None
@@ -127,9 +134,10 @@ def test_a_server_that_ends_idle_sessions_ends_none_of_ours(
         for _ in range(3):  # each round after the server would have ended an idle session
             with psycopg.connect(database_url) as conn, conn.transaction():
                 d.enqueue(conn, "i.ok", {})
-            assert d.drain(timeout=10).delivered == 1
+                d.enqueue(conn, "i.txn", {})
+            assert d.drain(timeout=10).delivered == 2
             time.sleep(0.5)
-        assert len(ran) == 3
+        assert len(ran) == 6
 
         def woken(families: list[str] | None) -> ClaimReport:
             if families is not None:
@@ -146,6 +154,49 @@ def test_a_server_that_ends_idle_sessions_ends_none_of_ours(
         assert woke.wait(5), "the listener's session was ended while it waited"
     finally:
         listener.stop()
+        d.close()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_a_transactional_handler_outlasting_a_heartbeat_commits_under_a_repeatable_read_default(
+    database_url: str, redis_url: str, run_id: str
+) -> None:
+    """The heartbeat renews a running row's lease from another connection while a
+    transactional handler runs; the handler's transaction then settles that row. Under a
+    REPEATABLE READ default that settle could not serialize with the renewal: every attempt
+    longer than a renewal was rolled back and retried. The handler's transaction reads
+    committed, whatever the default."""
+    url = psycopg.conninfo.make_conninfo(
+        database_url, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    schema = f"od_test_{run_id}_rr"
+    d = Dispatcher(
+        Celery("rr", broker="memory://", set_as_current=False),
+        database_url=url,
+        redis_url=redis_url,
+        schema=schema,
+        key_prefix=f"odrr{uuid.uuid4().hex[:8]}",
+        listen=False,
+    )
+    d.family("slow", max_attempts=1, lease=10, heartbeat_timeout=1.0)
+    seen: list[str] = []
+
+    def slow(ctx: Context, payload: Any) -> None:
+        assert ctx.conn is not None
+        row = ctx.conn.execute("SHOW transaction_isolation").fetchone()
+        seen.append(row[0] if row else "")
+        time.sleep(0.8)  # past a renewal (every third of the heartbeat timeout)
+
+    d.handler("rr.slow", family="slow", transactional=True)(slow)
+    try:
+        d.migrate()
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            d.enqueue(conn, "rr.slow", {})
+        report = d.drain(timeout=20)
+        assert report.delivered == 1, report
+        assert seen == ["read committed"]
+    finally:
         d.close()
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
