@@ -20,14 +20,14 @@ from outbox_dispatch import Context, Dispatcher, PermanentFailure
 from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.settle import Outcome
 
-STYLES = "-c DateStyle=SQL,\\ DMY -c IntervalStyle=iso_8601"
+STYLES = "-c DateStyle=SQL,\\ DMY -c IntervalStyle=iso_8601 -c TimeZone=Pacific/Chatham"
 
 
 @pytest.fixture
 def styled(database_url: str, redis_url: str, run_id: str) -> Iterator[tuple[Dispatcher, str]]:
     """A dispatcher on its own schema, through a URL whose sessions default to dates as
     'SQL, DMY' (04/12/2026 18:20:37 UTC) and intervals as ISO 8601 (PT1S), neither of which
-    psycopg parses."""
+    psycopg parses, in a time zone 13:45 ahead of UTC."""
     url = psycopg.conninfo.make_conninfo(database_url, options=STYLES)
     schema = f"od_test_{run_id}_styles"
     prefix = f"odstyles{uuid.uuid4().hex[:8]}"
