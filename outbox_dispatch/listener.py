@@ -186,7 +186,8 @@ class CommitListener:
     def _serve(self) -> None:
         with psycopg.connect(self.database_url, autocommit=True) as conn:
             # its waits are idle: a server's idle_session_timeout must not end them (settle.sql)
-            conn.execute(raw_queries()["session_defaults"])
+            q = raw_queries()
+            conn.execute(q["session_defaults"])
             lock = f"{self.schema}.wake-listener"  # kept: listeners of older versions share it
             while not self._stop.is_set():
                 row = conn.execute(
