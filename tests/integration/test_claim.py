@@ -15,6 +15,7 @@ from psycopg.pq import TransactionStatus
 from outbox_dispatch import Dispatcher
 from outbox_dispatch.claimer import Claimer, ClaimReport
 from outbox_dispatch.migrations import migrate
+from outbox_dispatch.policy import Family
 from outbox_dispatch.rows import Claimed
 from outbox_dispatch.settle import SettleKind
 from outbox_dispatch.store import Store, pipelined_transaction
@@ -329,6 +330,66 @@ def test_claim_plan_scans_nothing_per_row_at_any_size(
         assert "Seq Scan" not in plan, plan
 
 
+def _race_under_repeatable_read(
+    dispatcher: Dispatcher,
+    database_url: str,
+    name: str,
+    act: Callable[[Store, Family, int], Any],
+) -> list[Any]:
+    """A family of ten due rows and max_in_flight 5, and a store whose URL defaults to
+    REPEATABLE READ. ``act(store, family, last row id)`` runs in a thread while another
+    transaction holds the family's claim lock; that transaction then claims five rows (the
+    whole limit) and commits. Returns what ``act`` returned."""
+    family = replace(dispatcher.families["intent"], name=name).with_policy(max_in_flight=5)
+    _bulk_insert(
+        database_url,
+        dispatcher.schema,
+        f"SELECT '{name}', 'x', NULL, '{{}}'::jsonb, now(), NULL FROM generate_series(1, 10)",
+    )
+    url = psycopg.conninfo.make_conninfo(
+        database_url, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    store = Store(url, dispatcher.schema, pool_size=1)
+    outbox = f'"{dispatcher.schema}".outbox'
+    results: list[Any] = []
+    with psycopg.connect(database_url) as conn:
+        found = conn.execute(f"SELECT max(id) FROM {outbox} WHERE family = %s", (name,)).fetchone()
+    assert found is not None
+    try:
+        with psycopg.connect(url) as plain:  # the URL's default, as a server's could be
+            row = plain.execute("SHOW default_transaction_isolation").fetchone()
+            assert row is not None and row[0] == "repeatable read"
+        with store.connection() as warm:  # the pool's connection exists before the race
+            warm.execute("SELECT 1")
+        with psycopg.connect(database_url) as other:  # holds the family lock, fills in-flight
+            other.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(%s))",
+                (f"{dispatcher.schema}.claim.{name}",),
+            )
+            racer = threading.Thread(
+                target=lambda: results.append(act(store, family, int(found[0])))
+            )
+            racer.start()
+            _wait_for_lock_wait(database_url)
+            other.execute(
+                f"UPDATE {outbox} SET claim_token = gen_random_uuid(), claimed_at = now(), "
+                f"due_at = now() + interval '60 seconds' WHERE id IN "
+                f"(SELECT id FROM {outbox} WHERE family = %s ORDER BY id LIMIT 5)",
+                (name,),
+            )
+            other.commit()
+            racer.join(10)
+    finally:
+        store.close()
+    assert results, "it raised (see the thread's exception)"
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FROM {outbox} WHERE family = %s AND claim_token IS NOT NULL", (name,)
+        ).fetchone()
+    assert row is not None and row[0] == 5, "rows leased past max_in_flight"
+    return results
+
+
 def test_a_claim_counts_in_flight_after_its_lock_under_a_repeatable_read_default(
     dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
 ) -> None:
@@ -337,108 +398,27 @@ def test_a_claim_counts_in_flight_after_its_lock_under_a_repeatable_read_default
     would miss the claim it waited for and lease past max_in_flight. Our connections run
     READ COMMITTED whatever the default."""
     name = "rr_" + commands().replace(".", "_")
-    family = replace(dispatcher.families["intent"], name=name).with_policy(max_in_flight=5)
-    _bulk_insert(
-        database_url,
-        dispatcher.schema,
-        f"SELECT '{name}', 'x', NULL, '{{}}'::jsonb, now(), NULL FROM generate_series(1, 10)",
+    (result,) = _race_under_repeatable_read(
+        dispatcher, database_url, name, lambda store, family, _: store.claim(family, 100)
     )
-    url = psycopg.conninfo.make_conninfo(
-        database_url, options="-c default_transaction_isolation=repeatable\\ read"
-    )
-    store = Store(url, dispatcher.schema, pool_size=1)
-    outbox = f'"{dispatcher.schema}".outbox'
-    results: list[Any] = []
-    try:
-        with psycopg.connect(url) as plain:  # the URL's default, as a server's could be
-            row = plain.execute("SHOW default_transaction_isolation").fetchone()
-            assert row is not None and row[0] == "repeatable read"
-        with store.connection() as warm:  # the pool's connection exists before the race
-            warm.execute("SELECT 1")
-        with psycopg.connect(database_url) as other:  # holds the family lock, fills in-flight
-            other.execute(
-                "SELECT pg_advisory_xact_lock(hashtext(%s))",
-                (f"{dispatcher.schema}.claim.{name}",),
-            )
-            claimer = threading.Thread(target=lambda: results.append(store.claim(family, 100)))
-            claimer.start()
-            _wait_for_lock_wait(database_url)
-            other.execute(
-                f"UPDATE {outbox} SET claim_token = gen_random_uuid(), claimed_at = now(), "
-                f"due_at = now() + interval '60 seconds' WHERE id IN "
-                f"(SELECT id FROM {outbox} WHERE family = %s ORDER BY id LIMIT 5)",
-                (name,),
-            )
-            other.commit()
-            claimer.join(10)
-    finally:
-        store.close()
-    assert results, "the claim raised (see the thread's exception)"
-    assert results[0].claimed == [] and results[0].limit == 0
-    with psycopg.connect(database_url) as conn:
-        row = conn.execute(
-            f"SELECT count(*) FROM {outbox} WHERE family = %s AND claim_token IS NOT NULL", (name,)
-        ).fetchone()
-    assert row is not None and row[0] == 5
+    assert result.claimed == [] and result.limit == 0
 
 
 def test_a_start_that_claims_counts_in_flight_after_its_lock_under_a_repeatable_read_default(
     dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
 ) -> None:
     """The same for a start that claims (outbox_claim_start, a function whose statements each
-    take a snapshot only under READ COMMITTED): it waits for the family lock while a claim
-    fills the family's in-flight limit, then finds no room and leaves its row as it was."""
+    take a snapshot only under READ COMMITTED, and one statement outside a transaction block):
+    it waits for the family lock while a claim fills the family's in-flight limit, then finds
+    no room and leaves its row as it was."""
     name = "rs_" + commands().replace(".", "_")
-    family = replace(dispatcher.families["intent"], name=name).with_policy(max_in_flight=5)
-    _bulk_insert(
+    results = _race_under_repeatable_read(
+        dispatcher,
         database_url,
-        dispatcher.schema,
-        f"SELECT '{name}', 'x', NULL, '{{}}'::jsonb, now(), NULL FROM generate_series(1, 10)",
+        name,
+        lambda store, family, last: store.claim_start(family, last, uuid.uuid4(), 30),
     )
-    url = psycopg.conninfo.make_conninfo(
-        database_url, options="-c default_transaction_isolation=repeatable\\ read"
-    )
-    store = Store(url, dispatcher.schema, pool_size=1)
-    outbox = f'"{dispatcher.schema}".outbox'
-    results: list[Any] = []
-    with psycopg.connect(database_url) as conn:
-        (last,) = conn.execute(
-            f"SELECT max(id) FROM {outbox} WHERE family = %s", (name,)
-        ).fetchone() or (None,)
-    try:
-        with psycopg.connect(url) as plain:  # the URL's default, as a server's could be
-            row = plain.execute("SHOW default_transaction_isolation").fetchone()
-            assert row is not None and row[0] == "repeatable read"
-        with store.connection() as warm:  # the pool's connection exists before the race
-            warm.execute("SELECT 1")
-        with psycopg.connect(database_url) as other:  # holds the family lock, fills in-flight
-            other.execute(
-                "SELECT pg_advisory_xact_lock(hashtext(%s))",
-                (f"{dispatcher.schema}.claim.{name}",),
-            )
-            starter = threading.Thread(
-                target=lambda: results.append(store.claim_start(family, last, uuid.uuid4(), 30))
-            )
-            starter.start()
-            _wait_for_lock_wait(database_url)
-            other.execute(
-                f"UPDATE {outbox} SET claim_token = gen_random_uuid(), claimed_at = now(), "
-                f"due_at = now() + interval '60 seconds' WHERE id IN "
-                f"(SELECT id FROM {outbox} WHERE family = %s ORDER BY id LIMIT 5)",
-                (name,),
-            )
-            other.commit()
-            starter.join(10)
-    finally:
-        store.close()
-    assert results == [None], "the start took a row past max_in_flight (or raised)"
-    with psycopg.connect(database_url) as conn:
-        row = conn.execute(
-            f"SELECT count(*) FILTER (WHERE claim_token IS NOT NULL),"
-            f" (SELECT attempts FROM {outbox} WHERE id = %s) FROM {outbox} WHERE family = %s",
-            (last, name),
-        ).fetchone()
-    assert row == (5, 0)
+    assert results == [None], "the start took a row past max_in_flight"
 
 
 def _wait_for_lock_wait(database_url: str) -> None:

@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -23,16 +24,18 @@ from outbox_dispatch.settle import Outcome
 STYLES = "-c DateStyle=SQL,\\ DMY -c IntervalStyle=iso_8601 -c TimeZone=Pacific/Chatham"
 
 
-@pytest.fixture
-def styled(database_url: str, redis_url: str, run_id: str) -> Iterator[tuple[Dispatcher, str]]:
-    """A dispatcher on its own schema, through a URL whose sessions default to dates as
-    'SQL, DMY' (04/12/2026 18:20:37 UTC) and intervals as ISO 8601 (PT1S), neither of which
-    psycopg parses, in a time zone 13:45 ahead of UTC."""
-    url = psycopg.conninfo.make_conninfo(database_url, options=STYLES)
-    schema = f"od_test_{run_id}_styles"
-    prefix = f"odstyles{uuid.uuid4().hex[:8]}"
+@contextmanager
+def dispatcher_under(
+    options: str, database_url: str, redis_url: str, name: str
+) -> Iterator[tuple[Dispatcher, str]]:
+    """A dispatcher on a schema and Redis prefix of its own, through a URL whose sessions
+    default to ``options`` (as a user's server, role or URL could set them); yields it and
+    that URL, and drops what it made."""
+    url = psycopg.conninfo.make_conninfo(database_url, options=options)
+    schema = f"od_test_{uuid.uuid4().hex[:8]}_{name}"
+    prefix = f"od{name}{uuid.uuid4().hex[:8]}"
     d = Dispatcher(
-        Celery("styles", broker="memory://", set_as_current=False),
+        Celery(name, broker="memory://", set_as_current=False),
         database_url=url,
         redis_url=redis_url,
         schema=schema,
@@ -49,6 +52,14 @@ def styled(database_url: str, redis_url: str, run_id: str) -> Iterator[tuple[Dis
         for key in client.scan_iter(f"{prefix}:*"):
             client.delete(key)
         client.close()
+
+
+@pytest.fixture
+def styled(database_url: str, redis_url: str) -> Iterator[tuple[Dispatcher, str]]:
+    """Sessions that default to dates as 'SQL, DMY' (04/12/2026 18:20:37 UTC) and intervals
+    as ISO 8601 (PT1S), neither of which psycopg parses, in a time zone 13:45 ahead of UTC."""
+    with dispatcher_under(STYLES, database_url, redis_url, "styles") as made:
+        yield made
 
 
 def test_a_server_with_other_date_and_interval_styles_delivers_parks_and_shows_its_rows(
@@ -97,39 +108,30 @@ def test_a_server_with_other_date_and_interval_styles_delivers_parks_and_shows_i
 
 
 def test_a_server_that_ends_idle_sessions_ends_none_of_ours(
-    database_url: str, redis_url: str, run_id: str
+    database_url: str, redis_url: str
 ) -> None:
     """A server with idle_session_timeout (Postgres 14 and later) ends a session idle for
     that long: the pool's connections between statements, and the listener's between
-    notifications. Ours opt out, so a claim, a start and a settle after a pause, and a commit's
-    NOTIFY after a quiet spell, all find their sessions alive."""
-    url = psycopg.conninfo.make_conninfo(database_url, options="-c idle_session_timeout=300")
-    with psycopg.connect(url) as plain:
-        row = plain.execute("SHOW idle_session_timeout").fetchone()
-        assert row is not None and row[0] == "300ms"
-    schema = f"od_test_{run_id}_idle"
-    d = Dispatcher(
-        Celery("idle", broker="memory://", set_as_current=False),
-        database_url=url,
-        redis_url=redis_url,
-        schema=schema,
-        key_prefix=f"odidle{uuid.uuid4().hex[:8]}",
-        listen=False,
-    )
-    d.family("plain", lease=5)
-    ran: list[int] = []
-    d.handler("i.ok", family="plain")(lambda ctx, payload: ran.append(ctx.row_id))
+    notifications. Ours opt out, so a claim, a start and a settle after a pause (a
+    transactional handler's too), and a commit's NOTIFY after a quiet spell, all find their
+    sessions alive."""
+    with dispatcher_under("-c idle_session_timeout=300", database_url, redis_url, "idle") as (
+        d,
+        url,
+    ):
+        with psycopg.connect(url) as plain:
+            row = plain.execute("SHOW idle_session_timeout").fetchone()
+            assert row is not None and row[0] == "300ms"
+        d.family("plain", lease=5)
+        ran: list[int] = []
+        d.handler("i.ok", family="plain")(lambda ctx, payload: ran.append(ctx.row_id))
 
-    def in_txn(ctx: Context, payload: Any) -> None:  # on the handlers' pool, in the settle's
-        assert ctx.conn is not None
-        ctx.conn.execute("SELECT 1")
-        ran.append(ctx.row_id)
+        def in_txn(ctx: Context, payload: Any) -> None:  # on the handlers' pool
+            assert ctx.conn is not None
+            ctx.conn.execute("SELECT 1")
+            ran.append(ctx.row_id)
 
-    d.handler("i.txn", family="plain", transactional=True)(in_txn)
-    woke = threading.Event()
-    listener = d.commit_listener()
-    listener.sweep = None
-    try:
+        d.handler("i.txn", family="plain", transactional=True)(in_txn)
         d.migrate()
         for _ in range(3):  # each round after the server would have ended an idle session
             with psycopg.connect(database_url) as conn, conn.transaction():
@@ -139,64 +141,51 @@ def test_a_server_that_ends_idle_sessions_ends_none_of_ours(
             time.sleep(0.5)
         assert len(ran) == 6
 
+        woke = threading.Event()
+
         def woken(families: list[str] | None) -> ClaimReport:
             if families is not None:
                 woke.set()
             return ClaimReport()
 
+        listener = d.commit_listener()
+        listener.sweep = None
         listener.claim = woken
         listener.hand = None
         listener.start()
-        assert listener.leading.wait(10)
-        time.sleep(0.8)  # quiet: idle past the server's timeout
-        with psycopg.connect(database_url) as conn, conn.transaction():
-            d.enqueue(conn, "i.ok", {})
-        assert woke.wait(5), "the listener's session was ended while it waited"
-    finally:
-        listener.stop()
-        d.close()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        try:
+            assert listener.leading.wait(10)
+            time.sleep(0.8)  # quiet: idle past the server's timeout
+            with psycopg.connect(database_url) as conn, conn.transaction():
+                d.enqueue(conn, "i.ok", {})
+            assert woke.wait(5), "the listener's session was ended while it waited"
+        finally:
+            listener.stop()
 
 
 def test_a_transactional_handler_outlasting_a_heartbeat_commits_under_a_repeatable_read_default(
-    database_url: str, redis_url: str, run_id: str
+    database_url: str, redis_url: str
 ) -> None:
     """The heartbeat renews a running row's lease from another connection while a
     transactional handler runs; the handler's transaction then settles that row. Under a
     REPEATABLE READ default that settle could not serialize with the renewal: every attempt
     longer than a renewal was rolled back and retried. The handler's transaction reads
     committed, whatever the default."""
-    url = psycopg.conninfo.make_conninfo(
-        database_url, options="-c default_transaction_isolation=repeatable\\ read"
-    )
-    schema = f"od_test_{run_id}_rr"
-    d = Dispatcher(
-        Celery("rr", broker="memory://", set_as_current=False),
-        database_url=url,
-        redis_url=redis_url,
-        schema=schema,
-        key_prefix=f"odrr{uuid.uuid4().hex[:8]}",
-        listen=False,
-    )
-    d.family("slow", max_attempts=1, lease=10, heartbeat_timeout=1.0)
-    seen: list[str] = []
+    rr = "-c default_transaction_isolation=repeatable\\ read"
+    with dispatcher_under(rr, database_url, redis_url, "rr") as (d, _):
+        d.family("slow", max_attempts=1, lease=10, heartbeat_timeout=1.0)
+        seen: list[str] = []
 
-    def slow(ctx: Context, payload: Any) -> None:
-        assert ctx.conn is not None
-        row = ctx.conn.execute("SHOW transaction_isolation").fetchone()
-        seen.append(row[0] if row else "")
-        time.sleep(0.8)  # past a renewal (every third of the heartbeat timeout)
+        def slow(ctx: Context, payload: Any) -> None:
+            assert ctx.conn is not None
+            row = ctx.conn.execute("SHOW transaction_isolation").fetchone()
+            seen.append(row[0] if row else "")
+            time.sleep(0.8)  # past a renewal (every third of the heartbeat timeout)
 
-    d.handler("rr.slow", family="slow", transactional=True)(slow)
-    try:
+        d.handler("rr.slow", family="slow", transactional=True)(slow)
         d.migrate()
         with psycopg.connect(database_url) as conn, conn.transaction():
             d.enqueue(conn, "rr.slow", {})
         report = d.drain(timeout=20)
         assert report.delivered == 1, report
         assert seen == ["read committed"]
-    finally:
-        d.close()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
