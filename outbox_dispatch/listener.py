@@ -185,7 +185,7 @@ class CommitListener:
 
     def _serve(self) -> None:
         with psycopg.connect(self.database_url, autocommit=True) as conn:
-            # its waits are idle: a server's idle_session_timeout must not end them (settle.sql)
+            # its waits are idle: a server's idle_session_timeout must not end them (session.sql)
             q = raw_queries()
             conn.execute(q["session_defaults"])
             lock = f"{self.schema}.wake-listener"  # kept: listeners of older versions share it

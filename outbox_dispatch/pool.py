@@ -54,7 +54,7 @@ def _handler_session(conn: Conn) -> None:
     one transaction): READ COMMITTED, since the heartbeat renews the row's lease from another
     connection while the handler runs, and under REPEATABLE READ the settle could not
     serialize with that renewal (every attempt past a renewal was rolled back); our formats
-    and no idle timeout (settle.sql's handler_session_defaults)."""
+    and no idle timeout (session.sql's handler_session_defaults)."""
     q = raw_queries()
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED  # psycopg's BEGIN says so
     conn.execute(q["handler_session_defaults"])

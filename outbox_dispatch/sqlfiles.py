@@ -24,7 +24,7 @@ class Migration:
 @cache
 def raw_queries() -> dict[str, str]:
     """Every named query of sql/*.sql (one file per concern: enqueue, claim, deliver, settle,
-    cancel, caps, ordered, maintenance, status), keyed by its ``-- name:`` line."""
+    cancel, caps, ordered, maintenance, status, session), keyed by its ``-- name:`` line."""
     folder = resources.files("outbox_dispatch").joinpath("sql")
     queries: dict[str, str] = {}
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):

@@ -1,6 +1,6 @@
 """Settings a user's Postgres may have by default (in postgresql.conf, on the role, or in the
 URL's options) that the outbox's own sessions must not inherit: the main pool sets what its
-statements rely on for each new connection (pool.py, settle.sql's session_defaults)."""
+statements rely on for each new connection (pool.py, session.sql)."""
 
 from __future__ import annotations
 
