@@ -22,6 +22,23 @@ from tests.conftest import count_rows
 from tests.integration.conftest import in_loop, wait_for
 
 
+class Rows:
+    """A handler that notes the rows it runs (from the worker's pool threads), then sleeps
+    ``pause`` seconds or waits for ``release``."""
+
+    def __init__(self, *, pause: float = 0.0, release: threading.Event | None = None) -> None:
+        self.ids: list[int] = []
+        self.pause, self.release = pause, release
+        self._lock = threading.Lock()
+
+    def __call__(self, ctx: Context, payload: Any) -> None:
+        with self._lock:
+            self.ids.append(ctx.row_id)
+        time.sleep(self.pause)
+        if self.release is not None:
+            assert self.release.wait(10)
+
+
 def test_a_claimed_row_goes_straight_to_an_idle_pool_process(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
@@ -53,15 +70,10 @@ def test_a_backlog_beyond_the_idle_processes_goes_through_the_broker(
     thread); the others go to the broker, where every worker can take them (here the same
     one), and each row runs once."""
     h, sent = handoff
-    seen: list[int] = []
-    lock = threading.Lock()
-
-    def note(ctx: Context, payload: Any) -> None:
-        with lock:
-            seen.append(ctx.row_id)
-        time.sleep(0.05)  # long enough that the claim's later messages find no idle thread
-
-    cmd = commands(family="quick", fn=note)
+    # long enough that the claim's later messages find no idle thread
+    rows = Rows(pause=0.05)
+    seen = rows.ids
+    cmd = commands(family="quick", fn=rows)
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(12)])
     assert dispatcher.claim_and_publish(["quick"]).claimed == {"quick": 12}
@@ -252,15 +264,9 @@ def test_a_running_message_given_back_after_the_consumer_stopped_goes_to_the_bro
     to the broker then, as they would have before the stop, not wait out their lease."""
     h, _sent = handoff
     release = threading.Event()
-    started: list[int] = []
-    lock = threading.Lock()
-
-    def hold(ctx: Context, payload: Any) -> None:
-        with lock:
-            started.append(ctx.row_id)
-        assert release.wait(10)
-
-    cmd = commands(family="quick", fn=hold)
+    rows = Rows(release=release)
+    started = rows.ids
+    cmd = commands(family="quick", fn=rows)
     with psycopg.connect(database_url) as conn, conn.transaction():
         dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(12)])
     try:
@@ -337,15 +343,9 @@ def test_a_claim_of_one_row_messages_feeds_the_worker_its_share_past_its_prefetc
     broker, where a worker that joins finds it. Each row runs once."""
     _measured(dispatcher, commands, database_url)
     h, sent = handoff
-    seen: list[int] = []
-    lock = threading.Lock()
-
-    def note(ctx: Context, payload: Any) -> None:
-        with lock:
-            seen.append(ctx.row_id)
-        time.sleep(0.01)
-
-    cmd = commands(family="single", fn=note)
+    rows = Rows(pause=0.01)
+    seen = rows.ids
+    cmd = commands(family="single", fn=rows)
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(40)])
     before = _handed_off("single")
@@ -378,15 +378,9 @@ def test_a_fed_worker_whose_consumer_stops_gives_what_waits_to_the_broker(
     _measured(dispatcher, commands, database_url)
     h, sent = handoff
     release = threading.Event()
-    seen: list[int] = []
-    lock = threading.Lock()
-
-    def hold(ctx: Context, payload: Any) -> None:
-        with lock:
-            seen.append(ctx.row_id)
-        assert release.wait(10)
-
-    cmd = commands(family="single", fn=hold)
+    rows = Rows(release=release)
+    seen = rows.ids
+    cmd = commands(family="single", fn=rows)
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(40)])
     try:
