@@ -87,6 +87,7 @@ class Caps:
         self._renew_client: redis.Redis | None = None
         self._lock = ForkSafeLock()
         self._scripts: dict[str, Any] = {}
+        self._run_id_seen: str | None = None  # the server's, read on a claim after a connect
         # the databases whose claimers take freed slots (None: the first, keys as before)
         self.databases: list[str | None] = [None]
         self._writes = PipelinedSlotWrites(self)
@@ -97,7 +98,10 @@ class Caps:
             with self._lock:
                 if self._client is None:
                     client = redis.Redis.from_url(
-                        self.redis_url, socket_timeout=5, socket_connect_timeout=5
+                        self.redis_url,
+                        socket_timeout=5,
+                        socket_connect_timeout=5,
+                        redis_connect_func=self._connected,
                     )
                     for name, file in SCRIPTS.items():
                         self._scripts[name] = client.register_script(_script(file))
@@ -301,9 +305,12 @@ class Caps:
             )
 
     def take_freed(self, family: str, database: str | None = None) -> dict[str, int]:
-        """Actors whose slots freed since this database's last claim, with how many."""
-        raw = self._run_list("take_freed", [self.freed_key(family, database)])
-        pairs = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
+        """Actors whose slots freed since this database's last claim, with how many. A capped
+        claim's first Redis call: it also checks the semaphores' generation, so that a Redis
+        restarted from an old snapshot is rebuilt before this claim takes slots."""
+        raw = self._run_list("take_freed", [self.freed_key(family, database), self.sentinel])
+        written_by, *pairs = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
+        self._check_generation(written_by)
         return {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
 
     def freed_families(self, families: Sequence[str], database: str | None = None) -> set[str]:
@@ -388,16 +395,24 @@ class Caps:
         info = self.client.info("server")
         return str(info.get("run_id", ""))
 
-    def check_generation(self) -> None:
+    def _connected(self, connection: Any) -> None:
+        """Every new connection (redis_connect_func): it may reach a server that restarted, so
+        the next generation check reads the run id again; between reconnects it cannot change."""
+        connection.on_connect()
+        self._run_id_seen = None
+
+    def _check_generation(self, written_by: str) -> None:
         """Drop the sentinel when it was written by another Redis run: a server restarted from
         an older snapshot brings the sentinel back but not the newer holders, so the semaphores
-        must be rebuilt. (Use maxmemory-policy noeviction: an evicted key loses holders too.)"""
+        must be rebuilt (the acquire finds no sentinel and says so). The run id is read once per
+        connection, not per claim. (Use maxmemory-policy noeviction: an evicted key loses
+        holders too.)"""
+        if not written_by:
+            return
         try:
-            seen = self.client.get(self.sentinel)
-            if seen is None:
-                return
-            current = self._run_id()
-            written_by = seen.decode() if isinstance(seen, bytes) else str(seen)
+            current = self._run_id_seen
+            if current is None:
+                current = self._run_id_seen = self._run_id()
             if written_by != current:
                 self.client.delete(self.sentinel)
         except redis.RedisError as exc:

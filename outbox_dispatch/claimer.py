@@ -193,10 +193,6 @@ class Claimer:
             raise CapsUnavailable(
                 f"family {family.name!r} has a per-actor cap but the dispatcher has no redis_url"
             )
-        # a Redis restarted from an old snapshot lost holders; when Redis is down, the claim
-        # below still sends rows without an actor and says so
-        with contextlib.suppress(CapsUnavailable):
-            self.caps.check_generation()
         try:
             return self._claim_capped_once(family, batch, self.caps)
         except CapsIncomplete:
@@ -257,9 +253,9 @@ class Claimer:
             )
             return [(c.id, tokens[c.id]) for c in plan.take if c.id not in refused], wait
 
-        try:
+        try:  # also checks for a Redis restarted from an old snapshot, which lost holders
             freed = caps.take_freed(family.name, self.caps_database)
-        except CapsUnavailable:
+        except CapsUnavailable:  # Redis down: the claim still sends rows without an actor
             freed = {}
         try:
             result = self.store.claim_capped(family, batch, decide, freed)

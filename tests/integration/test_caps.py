@@ -3,9 +3,11 @@ loses its data, and ordered families' head-of-line rules."""
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -15,6 +17,7 @@ from celery import Celery
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Message, Outcome
 from outbox_dispatch.caps import Caps, Slot
+from tests.chaos.services import PrivateRedis, free_port
 from tests.conftest import count_rows
 
 CAPS_REDIS_DB = 13  # flushed by these tests: nothing else may live there
@@ -483,6 +486,45 @@ def test_redis_restarted_from_an_old_snapshot_is_rebuilt(
         conn.execute(f'UPDATE "{capped.schema}".outbox SET due_at = now() WHERE waiting')
     assert capped.claimer.claim_family(fam).claimed == []  # rebuilt first: still at cap
     assert len(capped.caps.holders("capped", "G")) == 2
+
+
+def test_a_real_redis_restarted_from_an_old_snapshot_is_rebuilt_before_the_next_claim(
+    database_url: str, schema: str, run_id: str, tmp_path: Path
+) -> None:
+    """The claimer reads Redis' run id once per connection, not per claim: a server that
+    restarts from a snapshot older than its holders is met on a new connection, whose run id
+    differs from the sentinel's, and the claim rebuilds before it takes a slot. A real
+    redis-server of the test's own, killed -9 and started again from its dump."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server must be installed (the machine's Redis package has it)"
+    server = PrivateRedis(binary, tmp_path, free_port())
+    server.start()
+    d = Dispatcher(
+        Celery("snapshot_test", broker=server.url, set_as_current=False),
+        database_url=database_url,
+        redis_url=server.url,
+        schema=schema,
+        key_prefix=f"s{run_id}",
+    )
+    try:
+        fam = d.family("snapshotted", per_actor=2, lease=30)
+        d.handler("snap.cmd", family="snapshotted")(lambda ctx, payload: None)
+        actor = f"S{uuid.uuid4().hex[:6]}"
+        _enqueue(d, database_url, [Message("snap.cmd", {}, actor=actor)])
+        assert len(d.claimer.claim_family(fam).claimed) == 1
+        server.client().save()  # the snapshot: the sentinel and the first holder
+        _enqueue(d, database_url, [Message("snap.cmd", {}, actor=actor) for _ in range(2)])
+        second = d.claimer.claim_family(fam)
+        assert (len(second.claimed), second.waiting) == (1, 1)  # at its cap of 2
+        server.restart(down=0.1)  # kill -9, then up from the dump: the second holder is gone
+        assert d.caps is not None and len(d.caps.holders("snapshotted", actor)) == 1
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'UPDATE "{schema}".outbox SET due_at = now() WHERE waiting')
+        assert d.claimer.claim_family(fam).claimed == []  # rebuilt first: still at its cap
+        assert len(d.caps.holders("snapshotted", actor)) == 2
+    finally:
+        d.close()
+        server.close()
 
 
 def test_a_pass_claims_an_idle_capped_family_only_when_a_slot_of_it_freed(
