@@ -16,7 +16,11 @@
 --   'local' where that is 'off' (a server that flushes nothing by default would lose both).
 --   A start lost in a crash then leaves a claim older than the server's start, which the
 --   claim and the start below take as an attempt that may have run (lost).
-SELECT pg_advisory_xact_lock(hashtext(%(lock_name)s)),
+-- The wait for the lock is another claim of the family, as long as that claim: a server's
+-- lock_timeout default (set against pile-ups behind DDL) must not fail this one for it, so the
+-- claim's transaction waits without one (set first: the target list runs in order).
+SELECT set_config('lock_timeout', '0', true),
+       pg_advisory_xact_lock(hashtext(%(lock_name)s)),
        set_config('enable_bitmapscan', 'off', true),
        set_config('synchronous_commit',
            CASE WHEN %(flushed_starts)s THEN 'off'

@@ -189,3 +189,45 @@ def test_a_transactional_handler_outlasting_a_heartbeat_commits_under_a_repeatab
         report = d.drain(timeout=20)
         assert report.delivered == 1, report
         assert seen == ["read committed"]
+
+
+def test_a_claim_waits_out_another_claim_of_its_family_under_a_short_lock_timeout(
+    database_url: str, redis_url: str
+) -> None:
+    """A server or role with a short ``lock_timeout`` (against pile-ups behind DDL): a claim
+    that waits for another claim of its family (which holds the family's claim lock while it
+    runs) waits it out and claims, where the timeout used to fail it, and with it the whole
+    claim pass."""
+    with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "locks") as (d, url):
+        d.family("quick", lease=5)
+        d.handler("t.locks", family="quick")(lambda ctx, payload: None)
+        d.migrate()
+        with psycopg.connect(url) as conn, conn.transaction():
+            row_id = d.enqueue(conn, "t.locks", {})
+        held, release = threading.Event(), threading.Event()
+
+        def other_claim() -> None:  # holds the lock as a claim of the family does
+            with psycopg.connect(database_url) as conn, conn.transaction():
+                conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{d.schema}.claim.quick",)
+                )
+                held.set()
+                release.wait(5)
+
+        holder = threading.Thread(target=other_claim)
+        holder.start()
+        try:
+            assert held.wait(5)
+            threading.Timer(0.4, release.set).start()  # four lock timeouts long
+            t0 = time.monotonic()
+            published: list[Any] = []
+            report = d.claimer.run(lambda family, rows, size: published.extend(rows))
+            waited = time.monotonic() - t0
+        finally:
+            release.set()
+            holder.join()
+        assert report.claimed == {"quick": 1} and [r.id for r in published] == [row_id]
+        assert waited >= 0.3  # it did wait for the other claim's lock
+        with psycopg.connect(url) as conn:
+            row = conn.execute("SHOW lock_timeout").fetchone()
+        assert row is not None and row[0] == "100ms"  # the server's default, as the test set it
