@@ -25,6 +25,7 @@ from .errors import (
     ResultsNotSupported,
     RetryLater,
     SchemaNotReady,
+    StatementCancelled,
     UnknownCommand,
     UnknownFamily,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "ResultsNotSupported",
     "RetryLater",
     "SchemaNotReady",
+    "StatementCancelled",
     "UnknownCommand",
     "UnknownFamily",
     "using",

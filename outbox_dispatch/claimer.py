@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .caps_rebuild import rebuild
-from .errors import DatabaseError
+from .errors import DatabaseError, StatementCancelled
 from .handed import HandedRows
 from .logs import event
 from .policy import (
@@ -397,6 +397,15 @@ class Claimer:
                     result = self.claim_family(family, batch=min(self.batch, room))
                 except CapsUnavailable as exc:
                     event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
+                    continue
+                except StatementCancelled as exc:  # this family's; the others go on
+                    event(
+                        log,
+                        logging.WARNING,
+                        "claim_cancelled",
+                        f"{exc}; the family is claimed again in the next pass",
+                        family=family.name,
+                    )
                     continue
                 except CapsIncomplete:  # lost again right after the rebuild: next pass
                     event(

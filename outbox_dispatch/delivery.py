@@ -17,7 +17,7 @@ from . import metrics, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
 from .caps_pipelined import HOLD_FOR, Wake
 from .deferred_settles import DeferredSettles, carried
-from .errors import DatabaseError, PermanentFailure, RetryLater
+from .errors import DatabaseError, PermanentFailure, RetryLater, StatementCancelled
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
@@ -372,7 +372,14 @@ class Delivery:
         if family is None or not self.claims_at_start(family):
             return None
         t0 = time.perf_counter()
-        started = self.store.claim_start(family, row_id, token, self._run_lease_for(family))
+        try:
+            started = self.store.claim_start(family, row_id, token, self._run_lease_for(family))
+        except StatementCancelled as exc:  # its wait for the family's claim lock, most likely
+            why = f"{exc}; the row is left as it was, for the family's next claim"
+            event(
+                log, logging.INFO, "claim_start_cancelled", why, row_id=row_id, family=family.name
+            )
+            return None
         rows = 0 if started is None else 1
         metrics.claimed(family.name, rows, time.perf_counter() - t0, self.database)
         return started

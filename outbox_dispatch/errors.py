@@ -60,6 +60,13 @@ class DatabaseError(OutboxError):
     """Postgres failed the request: check that it is reachable and the schema is migrated."""
 
 
+class StatementCancelled(DatabaseError):
+    """Postgres cancelled one of our statements: a ``statement_timeout`` or ``lock_timeout``
+    of the server, role or URL, or an operator's ``pg_cancel_backend``. The request is tried
+    again (the next claim pass, the next claim of a row); if it repeats, raise those settings
+    for the outbox's role (``ALTER ROLE ... SET statement_timeout``)."""
+
+
 class DatabaseUnavailable(DatabaseError):
     """One of the dispatcher's databases is not answering: its rows wait until it is back,
     and the other databases' rows go on. Check that it is up and reachable. ``repeated``: the

@@ -20,7 +20,13 @@ from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from .cron import Schedule, due_ticks
-from .errors import DatabaseError, DatabaseUnavailable, IsolationNotSupported, SchemaNotReady
+from .errors import (
+    DatabaseError,
+    DatabaseUnavailable,
+    IsolationNotSupported,
+    SchemaNotReady,
+    StatementCancelled,
+)
 from .health import PROBE_CONNECT_TIMEOUT, Breaker, liveness_options
 from .logs import mask_dsn
 from .policy import Candidate, Family, LostAttempt, starts_flushed
@@ -79,6 +85,12 @@ def translated(action: str) -> Iterator[None]:
         raise SchemaNotReady(
             f"{action}: the outbox schema is behind this version "
             f"({mask_dsn(str(exc.diag.message_primary))}): run `outbox-dispatch migrate`"
+        ) from exc
+    except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable) as exc:
+        raise StatementCancelled(
+            f"{action}: cancelled by the server ({mask_dsn(str(exc.diag.message_primary))}): "
+            "its statement_timeout or lock_timeout ends the outbox's statements too; raise it "
+            "for the outbox's role if this repeats"
         ) from exc
     except psycopg.Error as exc:
         raise DatabaseError(f"{action} failed: {mask_dsn(str(exc))}") from exc

@@ -191,43 +191,103 @@ def test_a_transactional_handler_outlasting_a_heartbeat_commits_under_a_repeatab
         assert seen == ["read committed"]
 
 
+def _hold_claim_lock(database_url: str, lock_name: str, seconds: float) -> threading.Thread:
+    """Another session holding a family's claim lock for ``seconds``, as a long claim of it
+    does; started, and returned once the lock is held."""
+    held = threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
+            held.set()
+            time.sleep(seconds)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(5)
+    return holder
+
+
 def test_a_claim_waits_out_another_claim_of_its_family_under_a_short_lock_timeout(
     database_url: str, redis_url: str
 ) -> None:
     """A server or role with a short ``lock_timeout`` (against pile-ups behind DDL): a claim
     that waits for another claim of its family (which holds the family's claim lock while it
-    runs) waits it out and claims, where the timeout used to fail it, and with it the whole
-    claim pass."""
+    runs) waits it out and claims, where the timeout used to fail the claim."""
     with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "locks") as (d, url):
         d.family("quick", lease=5)
         d.handler("t.locks", family="quick")(lambda ctx, payload: None)
         d.migrate()
         with psycopg.connect(url) as conn, conn.transaction():
             row_id = d.enqueue(conn, "t.locks", {})
-        held, release = threading.Event(), threading.Event()
-
-        def other_claim() -> None:  # holds the lock as a claim of the family does
-            with psycopg.connect(database_url) as conn, conn.transaction():
-                conn.execute(
-                    "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{d.schema}.claim.quick",)
-                )
-                held.set()
-                release.wait(5)
-
-        holder = threading.Thread(target=other_claim)
-        holder.start()
+        holder = _hold_claim_lock(database_url, f"{d.schema}.claim.quick", 0.4)  # 4 timeouts
+        t0 = time.monotonic()
+        published: list[Any] = []
         try:
-            assert held.wait(5)
-            threading.Timer(0.4, release.set).start()  # four lock timeouts long
-            t0 = time.monotonic()
-            published: list[Any] = []
             report = d.claimer.run(lambda family, rows, size: published.extend(rows))
             waited = time.monotonic() - t0
         finally:
-            release.set()
             holder.join()
         assert report.claimed == {"quick": 1} and [r.id for r in published] == [row_id]
         assert waited >= 0.3  # it did wait for the other claim's lock
         with psycopg.connect(url) as conn:
             row = conn.execute("SHOW lock_timeout").fetchone()
         assert row is not None and row[0] == "100ms"  # the server's default, as the test set it
+
+
+def test_a_claim_pass_goes_on_past_a_family_whose_claim_the_server_cancels(
+    database_url: str, redis_url: str
+) -> None:
+    """A ``statement_timeout`` that ends one family's claim (here: while it waits for another
+    claim of that family) costs that family this pass, with a warning that says what to do;
+    the pass claims the other families, where the error used to end it."""
+    with dispatcher_under("-c statement_timeout=200", database_url, redis_url, "cut") as (d, url):
+        for name in ("held", "free"):
+            d.family(name, lease=5)
+            d.handler(f"t.{name}", family=name)(lambda ctx, payload: None)
+        d.migrate()
+        with psycopg.connect(url) as conn, conn.transaction():
+            held_id = d.enqueue(conn, "t.held", {})
+            free_id = d.enqueue(conn, "t.free", {})
+        holder = _hold_claim_lock(database_url, f"{d.schema}.claim.held", 0.6)
+        published: list[Any] = []
+        try:
+            report = d.claimer.run(lambda family, rows, size: published.extend(rows))
+        finally:
+            holder.join()
+        assert report.claimed == {"free": 1} and [r.id for r in published] == [free_id]
+        again = d.claimer.run(lambda family, rows, size: published.extend(rows))
+        assert again.claimed == {"held": 1} and published[-1].id == held_id
+
+
+def test_a_start_that_claims_cancelled_by_a_lock_timeout_leaves_its_row_for_the_next_claim(
+    database_url: str, redis_url: str
+) -> None:
+    """A start that claims waits for its family's claim lock inside migration 0008's function,
+    where a server's ``lock_timeout`` still applies: cancelled, it drops its message as not
+    claimed at its start (no error, no attempt counted), and the next claim delivers the row."""
+    with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "start") as (d, url):
+        ran: list[int] = []
+        d.family("quick", lease=5)
+        d.handler("t.start", family="quick")(lambda ctx, payload: ran.append(ctx.row_id))
+        d.migrate()
+        with psycopg.connect(url) as conn, conn.transaction():
+            row_id = d.enqueue(conn, "t.start", {})
+        holder = _hold_claim_lock(database_url, f"{d.schema}.claim.quick", 0.4)
+        try:
+            results = d.database().delivery.deliver_message(
+                (row_id, str(uuid.uuid4())), family_hint="quick", claim=True
+            )
+        finally:
+            holder.join()
+        assert [r.outcome for r in results] == [Outcome.STALE] and ran == []
+        with psycopg.connect(url) as conn:
+            row = conn.execute(
+                f'SELECT attempts, claim_token, started_at FROM "{d.schema}".outbox WHERE id = %s',
+                (row_id,),
+            ).fetchone()
+        assert row == (0, None, None)
+        claimed = d.claimer.claim_family(d.families["quick"]).claimed
+        assert [c.id for c in claimed] == [row_id]
+        assert d.delivery.deliver(row_id, claimed[0].token).outcome is Outcome.DELIVERED
+        assert ran == [row_id]
