@@ -56,6 +56,21 @@ class Result:
     due_in: float | None = None  # retried: seconds until the row is due again
 
 
+def _cancelled(exc: StatementCancelled, row_id: int, family: str | None) -> Result:
+    """A row whose start or settle the server cancelled (its lock_timeout while the
+    application held the row locked, its statement_timeout): the row keeps its claim, and its
+    lease brings it back (an attempt that started is then a lost one)."""
+    event(
+        log,
+        logging.WARNING,
+        "delivery_cancelled",
+        f"{exc}; the row is claimed again after its lease",
+        row_id=row_id,
+        family=family,
+    )
+    return Result(Outcome.STALE, row_id, str(exc))
+
+
 def parse_message(args: tuple[Any, ...]) -> tuple[int, UUID] | None:
     """A delivery message is exactly (row id, claim token); anything else is garbage."""
     if len(args) != 2:
@@ -163,7 +178,10 @@ class Delivery:
         pair = parse_message(args)
         pairs = parse_batch(args) if pair is None and not claim else None
         if pair is not None:
-            results = [self.deliver(*pair, family_hint=family_hint, defer=defer, claim=claim)]
+            try:
+                results = [self.deliver(*pair, family_hint=family_hint, defer=defer, claim=claim)]
+            except StatementCancelled as exc:
+                results = [_cancelled(exc, pair[0], family_hint)]
         elif pairs is not None:
             results = self.deliver_batch(pairs, family_hint=family_hint, defer=defer)
         else:
@@ -207,6 +225,8 @@ class Delivery:
                         renew_until=until,
                     )
                 )
+            except StatementCancelled as exc:  # the database answers: the rows after it run
+                results.append(_cancelled(exc, row_id, family_hint))
             except DatabaseError as exc:
                 # the database went down mid-message (or refuses this process's statements):
                 # the rows not started are claimed again after their lease, and the finished

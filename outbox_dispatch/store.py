@@ -89,8 +89,8 @@ def translated(action: str) -> Iterator[None]:
     except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable) as exc:
         raise StatementCancelled(
             f"{action}: cancelled by the server ({mask_dsn(str(exc.diag.message_primary))}): "
-            "its statement_timeout or lock_timeout ends the outbox's statements too; raise it "
-            "for the outbox's role if this repeats"
+            "its statement_timeout or lock_timeout (or a pg_cancel_backend) ends the outbox's "
+            "statements too; raise them for the outbox's role if this repeats"
         ) from exc
     except psycopg.Error as exc:
         raise DatabaseError(f"{action} failed: {mask_dsn(str(exc))}") from exc

@@ -291,3 +291,35 @@ def test_a_start_that_claims_cancelled_by_a_lock_timeout_leaves_its_row_for_the_
         assert [c.id for c in claimed] == [row_id]
         assert d.delivery.deliver(row_id, claimed[0].token).outcome is Outcome.DELIVERED
         assert ran == [row_id]
+
+
+def test_a_start_the_server_cancels_costs_its_batch_only_that_row(
+    database_url: str, redis_url: str
+) -> None:
+    """A row of a batched message whose start waits past the server's ``lock_timeout`` (a
+    session of the application holds the row locked) is left claimed, not started, for its
+    lease to bring back; the rows after it in the message still run now, where the
+    cancellation used to drop them all until their lease ran out (and a message of that row
+    alone failed its Celery task)."""
+    with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "rowlock") as (d, url):
+        ran: list[int] = []
+        d.family("quick", lease=30)
+        d.handler("t.rowlock", family="quick")(lambda ctx, payload: ran.append(ctx.row_id))
+        d.migrate()
+        with psycopg.connect(url) as conn, conn.transaction():
+            ids = [d.enqueue(conn, "t.rowlock", {"i": i}) for i in range(3)]
+        claimed = {c.id: c.token for c in d.claimer.claim_family(d.families["quick"]).claimed}
+        pairs = [(i, claimed[i]) for i in ids]
+        with psycopg.connect(database_url) as app, app.transaction():
+            app.execute(f'SELECT 1 FROM "{d.schema}".outbox WHERE id = %s FOR UPDATE', (ids[1],))
+            results = d.delivery.deliver_batch(pairs, family_hint="quick")
+            alone = d.delivery.deliver_message((ids[1], str(claimed[ids[1]])), family_hint="quick")
+        assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.STALE, Outcome.DELIVERED]
+        assert [r.outcome for r in alone] == [Outcome.STALE]  # a message of its own: the same
+        assert ran == [ids[0], ids[2]]
+        with psycopg.connect(url) as conn:
+            row = conn.execute(
+                f'SELECT claim_token, started_at FROM "{d.schema}".outbox WHERE id = %s',
+                (ids[1],),
+            ).fetchone()
+        assert row == (claimed[ids[1]], None)  # still claimed, never started: its lease decides
