@@ -191,6 +191,16 @@ def test_a_transactional_handler_outlasting_a_heartbeat_commits_under_a_repeatab
         assert seen == ["read committed"]
 
 
+def _quick_family(d: Dispatcher, command: str, lease: float) -> list[int]:
+    """Family "quick" with a handler for ``command`` that notes the rows it runs, migrated;
+    returns that note."""
+    ran: list[int] = []
+    d.family("quick", lease=lease)
+    d.handler(command, family="quick")(lambda ctx, payload: ran.append(ctx.row_id))
+    d.migrate()
+    return ran
+
+
 def _hold_claim_lock(database_url: str, lock_name: str, seconds: float) -> threading.Thread:
     """Another session holding a family's claim lock for ``seconds``, as a long claim of it
     does; started, and returned once the lock is held."""
@@ -215,9 +225,7 @@ def test_a_claim_waits_out_another_claim_of_its_family_under_a_short_lock_timeou
     that waits for another claim of its family (which holds the family's claim lock while it
     runs) waits it out and claims, where the timeout used to fail the claim."""
     with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "locks") as (d, url):
-        d.family("quick", lease=5)
-        d.handler("t.locks", family="quick")(lambda ctx, payload: None)
-        d.migrate()
+        _quick_family(d, "t.locks", lease=5)
         with psycopg.connect(url) as conn, conn.transaction():
             row_id = d.enqueue(conn, "t.locks", {})
         holder = _hold_claim_lock(database_url, f"{d.schema}.claim.quick", 0.4)  # 4 timeouts
@@ -267,10 +275,7 @@ def test_a_start_that_claims_cancelled_by_a_lock_timeout_leaves_its_row_for_the_
     where a server's ``lock_timeout`` still applies: cancelled, it drops its message as not
     claimed at its start (no error, no attempt counted), and the next claim delivers the row."""
     with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "start") as (d, url):
-        ran: list[int] = []
-        d.family("quick", lease=5)
-        d.handler("t.start", family="quick")(lambda ctx, payload: ran.append(ctx.row_id))
-        d.migrate()
+        ran = _quick_family(d, "t.start", lease=5)
         with psycopg.connect(url) as conn, conn.transaction():
             row_id = d.enqueue(conn, "t.start", {})
         holder = _hold_claim_lock(database_url, f"{d.schema}.claim.quick", 0.4)
@@ -302,10 +307,7 @@ def test_a_start_the_server_cancels_costs_its_batch_only_that_row(
     cancellation used to drop them all until their lease ran out (and a message of that row
     alone failed its Celery task)."""
     with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "rowlock") as (d, url):
-        ran: list[int] = []
-        d.family("quick", lease=30)
-        d.handler("t.rowlock", family="quick")(lambda ctx, payload: ran.append(ctx.row_id))
-        d.migrate()
+        ran = _quick_family(d, "t.rowlock", lease=30)
         with psycopg.connect(url) as conn, conn.transaction():
             ids = [d.enqueue(conn, "t.rowlock", {"i": i}) for i in range(3)]
         claimed = {c.id: c.token for c in d.claimer.claim_family(d.families["quick"]).claimed}
