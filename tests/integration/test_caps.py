@@ -512,14 +512,18 @@ def test_a_real_redis_restarted_from_an_old_snapshot_is_rebuilt_before_the_next_
         actor = f"S{uuid.uuid4().hex[:6]}"
         _enqueue(d, database_url, [Message("snap.cmd", {}, actor=actor)])
         assert len(d.claimer.claim_family(fam).claimed) == 1
-        server.client().save()  # the snapshot: the sentinel and the first holder
+        with server.client() as client:
+            client.save()  # the snapshot: the sentinel and the first holder
         _enqueue(d, database_url, [Message("snap.cmd", {}, actor=actor) for _ in range(2)])
         second = d.claimer.claim_family(fam)
         assert (len(second.claimed), second.waiting) == (1, 1)  # at its cap of 2
         server.restart(down=0.1)  # kill -9, then up from the dump: the second holder is gone
         assert d.caps is not None and len(d.caps.holders("snapshotted", actor)) == 1
         with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'UPDATE "{schema}".outbox SET due_at = now() WHERE waiting')
+            conn.execute(
+                f'UPDATE "{schema}".outbox SET due_at = now() WHERE waiting AND actor = %s',
+                (actor,),
+            )
         assert d.claimer.claim_family(fam).claimed == []  # rebuilt first: still at its cap
         assert len(d.caps.holders("snapshotted", actor)) == 2
     finally:
