@@ -3,11 +3,16 @@
 
 -- name: caps_lock_shared
 -- Capped claims hold this shared; a rebuild of the semaphores takes it exclusively, so it
--- sees every claim that took slots before Redis lost them.
-SELECT pg_advisory_xact_lock_shared(hashtextextended(%(lock_name)s, 0));
+-- sees every claim that took slots before Redis lost them. Either waits for the other, as
+-- long as a claim or a rebuild lasts: a server's lock_timeout default must not fail it for
+-- that (a rebuild that timed out behind a stream of claims would leave capped rows waiting),
+-- so both transactions wait without one (set first: the target list runs in order).
+SELECT set_config('lock_timeout', '0', true),
+       pg_advisory_xact_lock_shared(hashtextextended(%(lock_name)s, 0));
 
 -- name: caps_lock_exclusive
-SELECT pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
+SELECT set_config('lock_timeout', '0', true),
+       pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
 
 -- name: caps_live_leases
 -- Rows holding a live lease in capped families: what the cap semaphores must contain, each

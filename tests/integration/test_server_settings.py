@@ -21,6 +21,8 @@ from outbox_dispatch import Context, Dispatcher, PermanentFailure
 from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.settle import Outcome
 
+CLAIM_LOCK = "SELECT pg_advisory_xact_lock(hashtext(%s))"
+CAPS_LOCK = "SELECT pg_advisory_xact_lock{}(hashtextextended(%s, 0))"  # "" or "_shared"
 STYLES = "-c DateStyle=SQL,\\ DMY -c IntervalStyle=iso_8601 -c TimeZone=Pacific/Chatham"
 
 
@@ -201,14 +203,14 @@ def _quick_family(d: Dispatcher, command: str, lease: float) -> list[int]:
     return ran
 
 
-def _hold_claim_lock(database_url: str, lock_name: str, seconds: float) -> threading.Thread:
-    """Another session holding a family's claim lock for ``seconds``, as a long claim of it
-    does; started, and returned once the lock is held."""
+def _hold_lock(database_url: str, take: str, lock_name: str, seconds: float) -> threading.Thread:
+    """Another session holding an advisory lock (``take`` its statement, given the name) for
+    ``seconds``, as a long claim or a rebuild does; started, and returned once it holds it."""
     held = threading.Event()
 
     def hold() -> None:
         with psycopg.connect(database_url) as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
+            conn.execute(take, (lock_name,))
             held.set()
             time.sleep(seconds)
 
@@ -216,6 +218,11 @@ def _hold_claim_lock(database_url: str, lock_name: str, seconds: float) -> threa
     holder.start()
     assert held.wait(5)
     return holder
+
+
+def _hold_claim_lock(database_url: str, lock_name: str, seconds: float) -> threading.Thread:
+    """A family's claim lock, held as a claim of the family holds it."""
+    return _hold_lock(database_url, CLAIM_LOCK, lock_name, seconds)
 
 
 def test_a_claim_waits_out_another_claim_of_its_family_under_a_short_lock_timeout(
@@ -325,3 +332,30 @@ def test_a_start_the_server_cancels_costs_its_batch_only_that_row(
                 (ids[1],),
             ).fetchone()
         assert row == (claimed[ids[1]], None)  # still claimed, never started: its lease decides
+
+
+def test_capped_claims_and_a_caps_rebuild_wait_for_each_other_under_a_short_lock_timeout(
+    database_url: str, redis_url: str
+) -> None:
+    """A capped claim holds the caps lock shared and a rebuild of the semaphores holds it
+    exclusively: under a short ``lock_timeout`` each waits out the other (a rebuild timed out
+    behind a stream of claims would leave capped rows waiting) instead of failing."""
+    with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "capslock") as (d, url):
+        d.family("capped", per_actor=2, lease=30)
+        d.handler("t.capslock", family="capped")(lambda ctx, payload: None)
+        d.migrate()
+        with psycopg.connect(url) as conn, conn.transaction():
+            row_id = d.enqueue(conn, "t.capslock", {}, actor="A")
+        caps_lock = f"{d.schema}.caps"
+        holder = _hold_lock(database_url, CAPS_LOCK.format(""), caps_lock, 0.4)  # a rebuild
+        try:
+            claimed = d.claimer.claim_family(d.families["capped"]).claimed
+        finally:
+            holder.join()
+        assert [c.id for c in claimed] == [row_id]
+        holder = _hold_lock(database_url, CAPS_LOCK.format("_shared"), caps_lock, 0.4)  # a claim
+        try:
+            restored = d.claimer.rebuild_caps()
+        finally:
+            holder.join()
+        assert restored == 1  # the claimed row's slot
