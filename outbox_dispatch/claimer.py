@@ -31,6 +31,8 @@ from .policy import (
     CapRule,
     Family,
     FeedBasis,
+    batch_after_cancel,
+    batch_after_claim,
     broker_room,
     cap_rule,
     claim_can_wait,
@@ -119,6 +121,9 @@ class Claimer:
         self.handed = HandedRows()  # rows this worker's listener handed over unclaimed
         self._passes = 0
         self._sizes: dict[str, int] = {}  # family -> rows per message of its last claim
+        # family -> the most rows its claims take since the server cancelled one (a
+        # statement_timeout shorter than the claim), until they are back to the batch
+        self._cut: dict[str, int] = {}
         # family -> tokens of lapsed holders whose slots this claimer gave back (the latest
         # LAPSED_KEPT): a lapsed row stays so until it is claimed again, and each claim of its
         # family reads it again; its slot goes back once
@@ -393,17 +398,20 @@ class Claimer:
                         family=family.name,
                     )
                     continue
+                limit = min(self.batch, room, self._cut.get(family.name, self.batch))
                 try:
-                    result = self.claim_family(family, batch=min(self.batch, room))
+                    result = self.claim_family(family, batch=limit)
                 except CapsUnavailable as exc:
                     event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
                     continue
                 except StatementCancelled as exc:  # this family's; the others go on
+                    cut = self._cut[family.name] = batch_after_cancel(limit)
                     event(
                         log,
                         logging.WARNING,
                         "claim_cancelled",
-                        f"{exc}; the family is claimed again in the next pass",
+                        f"{exc}; the family is claimed again in the next pass, at most {cut} "
+                        "rows a claim until claims go through again",
                         family=family.name,
                     )
                     continue
@@ -417,6 +425,10 @@ class Claimer:
                         family=family.name,
                     )
                     continue
+                if family.name in self._cut:  # it went through: grow back towards the batch
+                    grown = batch_after_claim(self._cut.pop(family.name), self.batch)
+                    if grown is not None:
+                        self._cut[family.name] = grown
                 if result.claimed:
                     size = self.message_size(family, len(result.claimed), queued)
                     self._sizes[family.name] = size

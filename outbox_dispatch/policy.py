@@ -295,6 +295,21 @@ def local_feed(basis: FeedBasis, processes: int, offered: int, waiting: int) -> 
     return max(0, min(int(share * offered), most - waiting))
 
 
+def batch_after_cancel(tried: int) -> int:
+    """The most rows a family's next claim takes after the server cancelled a claim of
+    ``tried`` rows (a ``statement_timeout`` shorter than a big claim, a capped backlog's
+    first ones above all): half, so that a claim that finishes in time is found within a few
+    passes, where the family would otherwise never be claimed."""
+    return max(1, tried // 2)
+
+
+def batch_after_claim(cut: int, batch: int) -> int | None:
+    """The next limit after a claim under ``cut`` went through: doubled, back towards the
+    claimer's ``batch`` (None once it is reached: no cut left)."""
+    grown = cut * 2
+    return None if grown >= batch else grown
+
+
 def claim_can_wait(queued_messages: int, consumers: int, most_per_message: int) -> bool:
     """Whether a claim that its caller makes again within a refill interval (the commit
     listener's) leaves the family's due rows for then: while the family's queue holds SPREAD

@@ -28,11 +28,11 @@ STYLES = "-c DateStyle=SQL,\\ DMY -c IntervalStyle=iso_8601 -c TimeZone=Pacific/
 
 @contextmanager
 def dispatcher_under(
-    options: str, database_url: str, redis_url: str, name: str
+    options: str, database_url: str, redis_url: str, name: str, **settings: Any
 ) -> Iterator[tuple[Dispatcher, str]]:
-    """A dispatcher on a schema and Redis prefix of its own, through a URL whose sessions
-    default to ``options`` (as a user's server, role or URL could set them); yields it and
-    that URL, and drops what it made."""
+    """A dispatcher (with ``settings``) on a schema and Redis prefix of its own, through a URL
+    whose sessions default to ``options`` (as a user's server, role or URL could set them);
+    yields it and that URL, and drops what it made."""
     url = psycopg.conninfo.make_conninfo(database_url, options=options)
     schema = f"od_test_{uuid.uuid4().hex[:8]}_{name}"
     prefix = f"od{name}{uuid.uuid4().hex[:8]}"
@@ -43,6 +43,7 @@ def dispatcher_under(
         schema=schema,
         key_prefix=prefix,
         listen=False,
+        **settings,
     )
     try:
         yield d, url
@@ -255,24 +256,34 @@ def test_a_claim_pass_goes_on_past_a_family_whose_claim_the_server_cancels(
 ) -> None:
     """A ``statement_timeout`` that ends one family's claim (here: while it waits for another
     claim of that family) costs that family this pass, with a warning that says what to do;
-    the pass claims the other families, where the error used to end it."""
-    with dispatcher_under("-c statement_timeout=200", database_url, redis_url, "cut") as (d, url):
+    the pass claims the other families, where the error used to end it. The family's next
+    claims take half the batch, then grow back, so that a claim longer than the timeout does
+    not stop the family for good."""
+    with dispatcher_under(
+        "-c statement_timeout=200", database_url, redis_url, "cut", claim_batch=8
+    ) as (d, url):
         for name in ("held", "free"):
             d.family(name, lease=5)
             d.handler(f"t.{name}", family=name)(lambda ctx, payload: None)
         d.migrate()
         with psycopg.connect(url) as conn, conn.transaction():
-            held_id = d.enqueue(conn, "t.held", {})
+            held_ids = [d.enqueue(conn, "t.held", {"i": i}) for i in range(13)]
             free_id = d.enqueue(conn, "t.free", {})
         holder = _hold_claim_lock(database_url, f"{d.schema}.claim.held", 0.6)
         published: list[Any] = []
+
+        def run() -> dict[str, int]:
+            return d.claimer.run(lambda family, rows, size: published.extend(rows)).claimed
+
         try:
-            report = d.claimer.run(lambda family, rows, size: published.extend(rows))
+            cancelled = run()
         finally:
             holder.join()
-        assert report.claimed == {"free": 1} and [r.id for r in published] == [free_id]
-        again = d.claimer.run(lambda family, rows, size: published.extend(rows))
-        assert again.claimed == {"held": 1} and published[-1].id == held_id
+        assert cancelled == {"free": 1} and [r.id for r in published] == [free_id]
+        # half the batch after the cancellation; then the whole batch again (8 rows, and the
+        # pass claims a family that filled its batch once more: the last row)
+        assert [run(), run()] == [{"held": 4}, {"held": 9}]
+        assert sorted(r.id for r in published[1:]) == held_ids
 
 
 def test_a_start_that_claims_cancelled_by_a_lock_timeout_leaves_its_row_for_the_next_claim(

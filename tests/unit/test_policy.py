@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox_dispatch import Backoff, ConfigurationError, Family
-from outbox_dispatch.policy import Verdict, builtin_families, decide_failure
+from outbox_dispatch.policy import (
+    Verdict,
+    batch_after_cancel,
+    batch_after_claim,
+    builtin_families,
+    decide_failure,
+)
 
 
 @given(
@@ -135,3 +141,23 @@ def test_starts_wait_for_the_disk_only_where_a_lost_one_would_cost_more_than_a_f
     assert starts_flushed(parking, False)  # it would park rows that never ran
     assert starts_flushed(None, False)  # a message naming no family: the safe side
     assert starts_flushed(plain, True)  # a failover to a synchronous standby
+
+
+@given(st.integers(min_value=1, max_value=100_000), st.integers(min_value=1, max_value=100_000))
+def test_a_cancelled_claims_cut_halves_and_grows_back_to_the_batch(tried: int, batch: int) -> None:
+    """After a cancelled claim the next takes half (never none); each claim that goes through
+    doubles the cut until it reaches the batch, where the cut ends."""
+    cut = batch_after_cancel(tried)
+    assert cut >= 1 and (cut == 1 or cut * 2 <= tried)
+    steps = 0
+    limit: int | None = cut
+    while limit is not None:
+        assert limit < batch or steps == 0
+        limit = batch_after_claim(limit, batch)
+        steps += 1
+    assert steps <= batch.bit_length() + 1  # back to the batch within log2(batch) claims
+
+
+def test_the_cut_examples() -> None:
+    assert [batch_after_cancel(n) for n in (1, 2, 500, 501)] == [1, 1, 250, 250]
+    assert [batch_after_claim(c, 500) for c in (1, 200, 250, 499)] == [2, 400, None, None]
