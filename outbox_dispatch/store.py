@@ -92,6 +92,12 @@ def translated(action: str) -> Iterator[None]:
             "its statement_timeout or lock_timeout (or a pg_cancel_backend) ends the outbox's "
             "statements too; raise them for the outbox's role if this repeats"
         ) from exc
+    except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, or a read-only default
+        raise DatabaseError(
+            f"{action} failed: the database refuses writes "
+            f"({mask_dsn(str(exc.diag.message_primary))}): point the outbox at the primary, "
+            "with a role whose default_transaction_read_only is off"
+        ) from exc
     except psycopg.Error as exc:
         raise DatabaseError(f"{action} failed: {mask_dsn(str(exc))}") from exc
 

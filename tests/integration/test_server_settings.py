@@ -17,7 +17,7 @@ import pytest
 import redis
 from celery import Celery
 
-from outbox_dispatch import Context, Dispatcher, PermanentFailure
+from outbox_dispatch import Context, DatabaseError, Dispatcher, PermanentFailure
 from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.settle import Outcome
 
@@ -370,3 +370,34 @@ def test_capped_claims_and_a_caps_rebuild_wait_for_each_other_under_a_short_lock
         finally:
             holder.join()
         assert restored == 1  # the claimed row's slot
+
+
+def test_a_read_only_default_is_named_with_what_to_do(database_url: str, redis_url: str) -> None:
+    """A role (or a standby) whose transactions are read-only by default: the outbox's
+    statements fail with an error that says so and what to do, not the bare driver message;
+    the rows wait, untouched, for a database that takes writes."""
+    with dispatcher_under(
+        "-c default_transaction_read_only=on", database_url, redis_url, "readonly"
+    ) as (d, url):
+        d.family("quick", lease=5)
+        d.handler("t.readonly", family="quick")(lambda ctx, payload: None)
+        plain = Dispatcher(
+            Celery("plain", broker="memory://", set_as_current=False),
+            database_url=database_url,
+            schema=d.schema,
+        )
+        plain.family("quick", lease=5)
+        plain.handler("t.readonly", family="quick")(lambda ctx, payload: None)
+        try:
+            plain.migrate()  # through a URL that writes, as a deploy step would
+            with psycopg.connect(database_url) as conn, conn.transaction():
+                row_id = plain.enqueue(conn, "t.readonly", {})
+        finally:
+            plain.close()
+        with pytest.raises(DatabaseError, match=r"refuses writes.*point the outbox at the primary"):
+            d.claimer.run(lambda family, rows, size: None)
+        with psycopg.connect(url) as conn:
+            row = conn.execute(
+                f'SELECT attempts, claim_token FROM "{d.schema}".outbox WHERE id = %s', (row_id,)
+            ).fetchone()
+        assert row == (0, None)
