@@ -29,35 +29,33 @@ def _mask_pool_logs() -> None:
         pool_log.addFilter(_POOL_FILTER)
 
 
-def _main_session(conn: Conn) -> None:
-    """The main pool's sessions, whatever the server's, role's, URL's or pooler's defaults:
+def _session(conn: Conn) -> None:
+    """Every session of our pools, whatever the server's, role's, URL's or pooler's defaults
+    (session.sql's session_defaults):
 
     - READ COMMITTED, for transaction blocks and for lone statements alike: a claim (or a
       start that claims) counts what is in flight after it holds the family lock, so its
       statements need snapshots taken after the lock, not at the transaction's first statement
-      (under REPEATABLE READ it would lease past max_in_flight, or fail to serialize).
+      (under REPEATABLE READ it would lease past max_in_flight, or fail to serialize); and a
+      transactional handler's settle must serialize with the heartbeat's renewal of its row,
+      made from another connection while the handler runs.
     - Dates and intervals in the formats psycopg parses (DateStyle ISO, IntervalStyle
       postgres): a capped claim reads its candidates' due times.
-    - No ``idle_session_timeout``: a pooled connection waits idle between statements.
-    - Commits that wait for the disk, locally where the default is ``synchronous_commit=off``:
-      a retry, park, cancel or ordered settle lost in a crash of Postgres would run its row
-      again. The writes that need not wait say so per transaction (settle_without_flush, and
-      the claim or the start, whichever does not flush: guarantees.md)."""
+    - No ``idle_session_timeout``: a pooled connection waits idle between statements."""
     q = raw_queries()
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED  # psycopg's BEGIN says so
-    conn.execute(q["session_defaults"])  # outside a block, dates, intervals, idle sessions
+    conn.execute(q["session_defaults"])
+
+
+def _main_session(conn: Conn) -> None:
+    """The main pool's sessions: as every pool's (``_session``), and commits that wait for the
+    disk, locally where the default is ``synchronous_commit=off``: a retry, park, cancel or
+    ordered settle lost in a crash of Postgres would run its row again. The writes that need
+    not wait say so per transaction (settle_without_flush, and the claim or the start,
+    whichever does not flush: guarantees.md)."""
+    q = raw_queries()
+    _session(conn)
     conn.execute(q["session_commits_flush"])
-
-
-def _handler_session(conn: Conn) -> None:
-    """The handlers' pool's sessions (a transactional handler's writes and its row's settle,
-    one transaction): READ COMMITTED, since the heartbeat renews the row's lease from another
-    connection while the handler runs, and under REPEATABLE READ the settle could not
-    serialize with that renewal (every attempt past a renewal was rolled back); our formats
-    and no idle timeout (session.sql's handler_session_defaults)."""
-    q = raw_queries()
-    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED  # psycopg's BEGIN says so
-    conn.execute(q["handler_session_defaults"])
 
 
 class Pools:
@@ -101,7 +99,7 @@ class Pools:
                     min_size=low,
                     max_size=high,
                     kwargs={"autocommit": True, **extra},
-                    configure=_main_session if role == "outbox" else _handler_session,
+                    configure=_main_session if role == "outbox" else _session,
                     open=True,
                     name=f"{role}-{self.schema}",
                 )

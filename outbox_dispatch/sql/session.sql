@@ -11,31 +11,24 @@ SELECT set_config('synchronous_commit', 'local', false)
 WHERE current_setting('synchronous_commit') = 'off';
 
 -- name: session_defaults
--- What a main-pool session's statements rely on, whatever the server's (or the role's, or
--- the URL's) defaults; run once per new connection (pool.py), as session_commits_flush:
+-- What the statements of every session of our pools (the main one and the handlers') and of
+-- the commit listener rely on, whatever the server's (or the role's, or the URL's) defaults;
+-- run once per new connection (pool.py, listener.py):
 -- - statements outside a transaction block read committed too: the start that claims is one,
 --   and its function counts the family's in-flight rows after taking the family's lock;
 --   under REPEATABLE READ the whole call would read the snapshot taken before the lock, miss
---   the claim it waited for, and start a row past max_in_flight;
+--   the claim it waited for, and start a row past max_in_flight (transaction blocks begin
+--   READ COMMITTED from psycopg: a transactional handler's settle must serialize with the
+--   heartbeat's renewal of its row);
 -- - dates and intervals come back as psycopg parses them (DateStyle ISO, IntervalStyle
 --   postgres): under 'SQL, DMY' a capped claim, which reads its candidates' due times,
 --   failed on every pass, and the family's rows were never delivered;
 -- - an idle session is not ended by the server (idle_session_timeout, Postgres 14 and
---   later): a pool keeps its connections between statements, and the listener's waits for
---   a NOTIFY are idle; each one ended failed the statement that next used it (a claim, a
---   start, a settle).
+--   later): a pool keeps its connections between statements and deliveries, and the
+--   listener's waits for a NOTIFY are idle; each one ended failed the statement that next
+--   used it (a claim, a start, a settle, a transactional handler's attempt).
 SELECT set_config('default_transaction_isolation', 'read committed', false),
        set_config('DateStyle', 'ISO', false),
-       set_config('IntervalStyle', 'postgres', false),
-       (SELECT set_config('idle_session_timeout', '0', false)
-        WHERE current_setting('idle_session_timeout', true) IS NOT NULL);
-
--- name: handler_session_defaults
--- The handlers' pool (transactional handlers: the handler's writes and its settle, one
--- transaction, which pool.py begins READ COMMITTED) takes the rest of session_defaults: the
--- date formats psycopg parses, and no idle_session_timeout (its connections idle between
--- deliveries; one the server ended failed the next transactional handler's attempt).
-SELECT set_config('DateStyle', 'ISO', false),
        set_config('IntervalStyle', 'postgres', false),
        (SELECT set_config('idle_session_timeout', '0', false)
         WHERE current_setting('idle_session_timeout', true) IS NOT NULL);
