@@ -53,6 +53,16 @@ def key_prefix(redis_url: str, run_id: str) -> Iterator[str]:
     client.close()
 
 
+def drop_run(database_url: str, schema: str, redis_url: str, prefix: str) -> None:
+    """What a test run made: its schema and its Redis keys."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"{prefix}*"):
+        client.delete(key)
+    client.close()
+
+
 def count_rows(database_url: str, schema: str, where: str = "TRUE") -> int:
     with psycopg.connect(database_url) as conn:
         row = conn.execute(f'SELECT count(*) FROM "{schema}".outbox WHERE {where}').fetchone()

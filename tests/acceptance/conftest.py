@@ -13,9 +13,9 @@ from typing import IO, Any
 
 import psycopg
 import pytest
-import redis
 
 from outbox_dispatch.migrations import migrate
+from tests.conftest import drop_run
 
 from .browser import chrome
 
@@ -44,16 +44,6 @@ def acc_env(database_url: str, redis_url: str, run_id: str) -> Iterator[dict[str
     }
     yield env
     drop_run(database_url, schema, redis_url, prefix)
-
-
-def drop_run(database_url: str, schema: str, redis_url: str, prefix: str) -> None:
-    """What a test run made: its schema and its Redis keys."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    client = redis.Redis.from_url(redis_url)
-    for key in client.scan_iter(f"{prefix}*"):
-        client.delete(key)
-    client.close()
 
 
 @pytest.fixture

@@ -19,7 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from .conftest import ROOT, drop_run, worker_with_beat
+from tests.conftest import drop_run
+
+from .conftest import ROOT, worker_with_beat
 
 EXAMPLE = ROOT / "examples" / "django_shop"
 

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import ROOT, cli, drop_run, worker_with_beat
+from tests.conftest import drop_run
+
+from .conftest import ROOT, cli, worker_with_beat
 
 EXAMPLE = ROOT / "examples" / "celery_shop"
 

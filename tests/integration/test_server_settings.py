@@ -14,12 +14,12 @@ from typing import Any
 
 import psycopg
 import pytest
-import redis
 from celery import Celery
 
 from outbox_dispatch import Context, DatabaseError, Dispatcher, PermanentFailure
 from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.settle import Outcome
+from tests.conftest import drop_run
 
 CLAIM_LOCK = "SELECT pg_advisory_xact_lock(hashtext(%s))"
 CAPS_LOCK = "SELECT pg_advisory_xact_lock{}(hashtextextended(%s, 0))"  # "" or "_shared"
@@ -49,12 +49,7 @@ def dispatcher_under(
         yield d, url
     finally:
         d.close()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        client = redis.Redis.from_url(redis_url)
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
-        client.close()
+        drop_run(database_url, schema, redis_url, f"{prefix}:")
 
 
 @pytest.fixture
