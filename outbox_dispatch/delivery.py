@@ -350,7 +350,7 @@ class Delivery:
                 if reg.transactional:
                     result = self._run_in_transaction(started, family, reg.fn, running)
                 else:
-                    result = self._run(started, family, reg.fn, running, defer=defer)
+                    result = self._run(started, family, reg.fn, running, defer=defer, claimed=claim)
             finally:
                 self.heartbeats.remove(running)
                 elapsed = time.perf_counter() - t0
@@ -405,8 +405,18 @@ class Delivery:
         return started
 
     def _run(
-        self, started: Started, family: Family, fn: HandlerFn, running: Running, *, defer: bool
+        self,
+        started: Started,
+        family: Family,
+        fn: HandlerFn,
+        running: Running,
+        *,
+        defer: bool,
+        claimed: bool = False,
     ) -> Result:
+        """Run a handler outside any transaction of ours. ``claimed``: its start claimed the
+        row (the hand-off at low load): a deferred settle is written at once, since the next
+        start here is likely to claim too and carries none."""
         if log.isEnabledFor(logging.DEBUG):
             event(log, logging.DEBUG, "handler_started", "running handler", **_fields(started))
         t0 = time.perf_counter()
@@ -427,7 +437,7 @@ class Delivery:
         if defer and not family.ordered and running.stop_reason() is None:
             # off the hot path: nothing waits on this settle (no ordered line moves on it); a
             # row cancelled while it ran settles now, so that its outcome says so
-            self.deferred.add(settle.kind, started)
+            self.deferred.add(settle.kind, started, promptly=claimed)
             if self.caps is not None and (slot := self._slot_of(started)) is not None:
                 # a cap counts running handlers: this one returned, so its slot goes back now,
                 # written with others within HOLD_FOR, or at the message's end (caps_pipelined)

@@ -379,3 +379,35 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
         d.close()
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_a_row_its_start_claimed_is_settled_at_once_not_a_window_later(
+    dispatcher: Dispatcher,
+    commands: Callable[..., str],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A deferred settle waits a WINDOW for the next start to carry it. A start that claims
+    carries none, and one follows another at low load: the row of such a start is settled
+    at once by the thread. Left for a WINDOW, its commit landed on the next row's start under
+    a steady rate (at 50 rows/s, the 20 ms WINDOW was the gap between two rows). A row of a
+    claimed message still waits for a start to carry it."""
+    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 60.0)
+    cmd = commands(family="quick")
+    delivery = dispatcher.database().delivery
+    delivery.deferred.flush()
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        claimed_row = dispatcher.enqueue(conn, cmd, {})
+    (c,) = dispatcher.database().claimer.claim_family(dispatcher.families["quick"]).claimed
+    assert c.id == claimed_row
+    result = delivery.deliver(c.id, c.token, family_hint="quick", defer=True)
+    assert result.outcome is Outcome.DELIVERED
+    time.sleep(0.3)
+    assert count_rows(database_url, dispatcher.schema) == 1  # waits for a start to carry it
+
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        named = dispatcher.enqueue(conn, cmd, {})
+    result = delivery.deliver(named, uuid.uuid4(), family_hint="quick", defer=True, claim=True)
+    assert result.outcome is Outcome.DELIVERED
+    # the thread settles it now, and the row that waited with it
+    wait_for(lambda: count_rows(database_url, dispatcher.schema) == 0, "never settled", 5)
