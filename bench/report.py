@@ -201,7 +201,7 @@ def median_throughput(rounds: list[Throughput | None]) -> Throughput | None:
 
 def median_latency(rounds: list[Latency]) -> Latency | None:
     """One scenario's latency at one rate over repeated rounds: the median p50 and p99 of
-    the rounds (each its own 10 s window), and the largest max."""
+    the rounds (each its own window, 30 s by default), and the largest max."""
     if not rounds:
         return None
     p50s, p99s = [x.p50_ms for x in rounds], [x.p99_ms for x in rounds]

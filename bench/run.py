@@ -81,7 +81,9 @@ class Options:
     scenarios: tuple[str, ...] = SCENARIOS
     peers: tuple[str, ...] = PEERS
     paces: tuple[int, ...] = (50, 200)
-    latency_seconds: float = 10.0
+    # 1,500 rows a round at 50 rows/s: a p99 of 500 rested on the five slowest, and a round's
+    # p99 moved by a millisecond with one stall; the goal compares two p99s 0.4 ms apart
+    latency_seconds: float = 30.0
     claim_stored: int = 1_000_000
     rss_rows: int = 100_000
     rss_warmup: int = 10_000
@@ -130,7 +132,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--pool", default=d.pool, choices=["prefork", "threads"])
     p.add_argument("--paces", help="offered rows/s for latency, comma-separated (50,200)")
-    p.add_argument("--latency-seconds", type=float, help="seconds each rate is offered (10)")
+    p.add_argument("--latency-seconds", type=float, help="seconds each rate is offered (30)")
     p.add_argument("--claim-stored", type=int, help="rows that are not due (1,000,000)")
     p.add_argument("--rss-rows", type=int, help=f"deliveries for RSS growth ({d.rss_rows:,})")
     p.add_argument("--rss-warmup", type=int, help="deliveries before the first RSS sample")
