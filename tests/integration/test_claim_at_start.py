@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_dispatch import Context, Dispatcher
+from outbox_dispatch import Context, Dispatcher, Message
 from outbox_dispatch.handoff import LocalHandoff
 from outbox_dispatch.listener import CommitListener, Named
 from outbox_dispatch.publisher import CLAIM_AT_START, Wire
@@ -336,7 +336,7 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
     database_url: str, redis_url: str, run_id: str
 ) -> None:
     """A worker of this version against a schema its migrations have not reached (no
-    outbox_claim_start, migration 0008): the start fails with SchemaNotReady naming the
+    outbox_claim_start: migrations 0008 and 0009): the start fails with SchemaNotReady naming the
     command to run, and the row is as it was, for a claim (which needs no new function) to
     deliver; once migrated, the same start claims and runs it."""
     from celery import Celery
@@ -358,7 +358,7 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
         d.migrate()
         with psycopg.connect(database_url, autocommit=True) as conn:  # as before 0008
             conn.execute(f'DROP FUNCTION "{schema}".outbox_claim_start')
-            conn.execute(f'DELETE FROM "{schema}".outbox_migrations WHERE version = 8')
+            conn.execute(f'DELETE FROM "{schema}".outbox_migrations WHERE version >= 8')
         with psycopg.connect(database_url) as conn, conn.transaction():
             row_id = d.enqueue(conn, "t.behind", {})
         delivery = d.database().delivery
@@ -372,7 +372,7 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
             ).fetchone()
         assert row == (0, None, None) and ran == []
 
-        assert d.migrate() == [8]
+        assert d.migrate() == [8, 9]
         (result,) = delivery.deliver_message(message, family_hint="quick", claim=True)
         assert result.outcome is Outcome.DELIVERED and ran == [row_id]
     finally:
@@ -411,3 +411,73 @@ def test_a_row_its_start_claimed_is_settled_at_once_not_a_window_later(
     assert result.outcome is Outcome.DELIVERED
     # the thread settles it now, and the row that waited with it
     wait_for(lambda: count_rows(database_url, dispatcher.schema) == 0, "never settled", 5)
+
+
+def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_statistics(
+    database_url: str, redis_url: str, run_id: str
+) -> None:
+    """The start's function (migration 0009) finds its row by the primary key. Migration
+    0008's matched the id with the family, due time and state, which the partial index
+    outbox_due covers too: on a table without statistics (new, a backlog loaded before
+    autovacuum's ANALYZE, autovacuum off) the planner walked every due row of the index for
+    the one row, 14 ms a start beside 100,000 due rows, with the family's claim lock held.
+    Counted in index tuples read, so no clock is involved."""
+    from celery import Celery
+
+    schema = f"od_test_{run_id}_nostats"
+    d = Dispatcher(
+        Celery("nostats", broker=redis_url),
+        database_url=database_url,
+        redis_url=redis_url,
+        schema=schema,
+        listen=False,
+    )
+    d.family("quick", lease=5)
+    d.handler("t.nostats", family="quick")(lambda ctx, payload: None)
+    try:
+        d.migrate()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'ALTER TABLE "{schema}".outbox SET (autovacuum_enabled = false)')
+        with psycopg.connect(database_url) as conn:
+            with conn.transaction():
+                d.enqueue_many(conn, [Message("t.nostats", {}) for _ in range(5000)])
+            with conn.transaction():
+                named = d.enqueue(conn, "t.nostats", {})
+        params = {
+            "id": named,
+            "token": uuid.uuid4(),
+            "run_lease": 30.0,
+            "family": "quick",
+            "max_in_flight": 1000,
+            "lock_name": f"{schema}.test",
+            "channel": "unheard",
+        }
+        query = d.database().store.q["deliver_claim_begin"]
+        with psycopg.connect(database_url, autocommit=True) as conn:
+
+            def read_in_outbox_due() -> int:
+                conn.execute("SELECT pg_stat_force_next_flush()")  # this session's, at its end
+                conn.execute("SELECT pg_stat_clear_snapshot()")
+                row = conn.execute(
+                    "SELECT idx_tup_read FROM pg_stat_user_indexes"
+                    " WHERE schemaname = %s AND indexrelname = 'outbox_due'",
+                    (schema,),
+                ).fetchone()
+                assert row is not None
+                return int(row[0])
+
+            before = read_in_outbox_due()
+            for _ in range(6):  # past the custom plans: PL/pgSQL keeps a generic one after five
+                started = conn.execute(query, params).fetchall()
+                conn.execute(
+                    f'UPDATE "{schema}".outbox SET claim_token = NULL, attempts = 0,'
+                    " started_at = NULL, due_at = now() - interval '1 s' WHERE id = %s",
+                    (named,),
+                )
+                assert [r[1] for r in started] == ["t.nostats"]
+            read = read_in_outbox_due() - before
+        assert read < 100, f"{read} index tuples of outbox_due read for six starts of one row"
+    finally:
+        d.close()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
