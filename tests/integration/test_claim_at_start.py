@@ -46,6 +46,33 @@ def named_listener(
         listener.stop()
 
 
+@contextlib.contextmanager
+def _own_schema(
+    name: str, database_url: str, redis_url: str, run_id: str, fn: Callable[..., None]
+) -> Iterator[tuple[Dispatcher, str]]:
+    """A dispatcher on a schema of the test's own, migrated, with the family ``quick`` and
+    its command ``t.<name>``; the schema is dropped after."""
+    from celery import Celery
+
+    schema = f"od_test_{run_id}_{name}"
+    d = Dispatcher(
+        Celery(name, broker=redis_url),
+        database_url=database_url,
+        redis_url=redis_url,
+        schema=schema,
+        listen=False,
+    )
+    d.family("quick", lease=5)
+    d.handler(f"t.{name}", family="quick")(fn)
+    try:
+        d.migrate()
+        yield d, schema
+    finally:
+        d.close()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 def _notified(conn: psycopg.Connection[Any], count: int) -> list[str]:
     got = [n.payload for n in conn.notifies(timeout=2, stop_after=count)]
     got += [n.payload for n in conn.notifies(timeout=0.2)]  # nothing more came
@@ -339,23 +366,14 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
     outbox_claim_start: migrations 0008 and 0009): the start fails with SchemaNotReady naming the
     command to run, and the row is as it was, for a claim (which needs no new function) to
     deliver; once migrated, the same start claims and runs it."""
-    from celery import Celery
-
     from outbox_dispatch.errors import SchemaNotReady
 
-    schema = f"od_test_{run_id}_behind"
-    d = Dispatcher(
-        Celery("behind", broker=redis_url),
-        database_url=database_url,
-        redis_url=redis_url,
-        schema=schema,
-        listen=False,
-    )
     ran: list[int] = []
-    d.family("quick", lease=5)
-    d.handler("t.behind", family="quick")(lambda ctx, payload: ran.append(ctx.row_id))
-    try:
-        d.migrate()
+
+    def record(ctx: Context, payload: Any) -> None:
+        ran.append(ctx.row_id)
+
+    with _own_schema("behind", database_url, redis_url, run_id, record) as (d, schema):
         with psycopg.connect(database_url, autocommit=True) as conn:  # as before 0008
             conn.execute(f'DROP FUNCTION "{schema}".outbox_claim_start')
             conn.execute(f'DELETE FROM "{schema}".outbox_migrations WHERE version >= 8')
@@ -375,10 +393,6 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
         assert d.migrate() == [8, 9]
         (result,) = delivery.deliver_message(message, family_hint="quick", claim=True)
         assert result.outcome is Outcome.DELIVERED and ran == [row_id]
-    finally:
-        d.close()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def test_a_row_its_start_claimed_is_settled_at_once_not_a_window_later(
@@ -422,20 +436,7 @@ def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_st
     autovacuum's ANALYZE, autovacuum off) the planner walked every due row of the index for
     the one row, 14 ms a start beside 100,000 due rows, with the family's claim lock held.
     Counted in index tuples read, so no clock is involved."""
-    from celery import Celery
-
-    schema = f"od_test_{run_id}_nostats"
-    d = Dispatcher(
-        Celery("nostats", broker=redis_url),
-        database_url=database_url,
-        redis_url=redis_url,
-        schema=schema,
-        listen=False,
-    )
-    d.family("quick", lease=5)
-    d.handler("t.nostats", family="quick")(lambda ctx, payload: None)
-    try:
-        d.migrate()
+    with _own_schema("nostats", database_url, redis_url, run_id, lambda c, p: None) as (d, schema):
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'ALTER TABLE "{schema}".outbox SET (autovacuum_enabled = false)')
         with psycopg.connect(database_url) as conn:
@@ -477,7 +478,3 @@ def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_st
                 assert [r[1] for r in started] == ["t.nostats"]
             read = read_in_outbox_due() - before
         assert read < 100, f"{read} index tuples of outbox_due read for six starts of one row"
-    finally:
-        d.close()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
