@@ -84,8 +84,8 @@ class DeferredSettles:
         own start claimed it, so this process is fed by starts that claim, which carry no
         settles): the thread settles it now, with what else is pending, instead of a WINDOW
         later. Waiting bought nothing there, and the settle's commit landed a WINDOW after
-        the handler: under a steady 50 rows/s, on the next row's start (its flush then
-        waited for the settle's, 0.4-1.0 ms more at p99)."""
+        the handler: under a steady 50 rows/s, on the next row's start (whose p99 was
+        2.3-3.2 ms against 1.5-1.9 when the settle came at once; docs/benchmark.md)."""
         with self._lock:
             self._pending.append((kind, started))
             if len(self._pending) == 1:

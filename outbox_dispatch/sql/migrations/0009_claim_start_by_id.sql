@@ -31,8 +31,10 @@ BEGIN
             WHERE l.family = p_family AND l.claim_token IS NOT NULL AND l.due_at > p_now
             ORDER BY l.due_at
             LIMIT p_max_in_flight) AS live) < p_max_in_flight THEN
-        -- the row by its primary key alone, locked: its version is the one updated below
-        SELECT l.ctid INTO v_row FROM __SCHEMA__.outbox l WHERE l.id = p_id FOR UPDATE;
+        -- the row by its primary key (no condition that outbox_due's predicate could serve),
+        -- locked: its version is the one updated below. A row held by a claim is not waited for
+        SELECT l.ctid INTO v_row FROM __SCHEMA__.outbox l
+        WHERE l.id = p_id AND l.claim_token IS NULL FOR UPDATE;
         RETURN QUERY
         UPDATE __SCHEMA__.outbox o SET attempts = o.attempts + 1, claim_token = p_token,
             claimed_at = p_now, due_since = o.due_at, started_at = p_now, waiting = false,
