@@ -6,6 +6,7 @@ unique names through ``commands``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from celery.signals import before_task_publish
 
 from outbox_dispatch import Backoff, Context, Dispatcher
 from outbox_dispatch.handoff import LocalHandoff
+from tests.conftest import drop_run
 
 from .databases_support import make_dispatcher, shard_urls  # noqa: F401 (several databases)
 from .django_support import listening, order_model, orders  # noqa: F401 (for the Django tests)
@@ -183,3 +185,29 @@ def handoff(dispatcher: Dispatcher, worker: Any) -> Iterator[tuple[LocalHandoff,
         dispatcher.publisher.local = None
         del dispatcher.publisher.send
         in_loop(worker, h.detach)
+
+
+@contextlib.contextmanager
+def dispatcher_under(
+    options: str, database_url: str, redis_url: str, name: str, **settings: Any
+) -> Iterator[tuple[Dispatcher, str]]:
+    """A dispatcher (with ``settings``) on a schema and Redis prefix of its own, through a URL
+    whose sessions default to ``options`` (as a user's server, role or URL could set them;
+    ``""``: the session's URL as it is); yields it and that URL, and drops what it made."""
+    url = psycopg.conninfo.make_conninfo(database_url, options=options) if options else database_url
+    schema = f"od_test_{uuid.uuid4().hex[:8]}_{name}"
+    prefix = f"od{name}{uuid.uuid4().hex[:8]}"
+    d = Dispatcher(
+        Celery(name, broker="memory://", set_as_current=False),
+        database_url=url,
+        redis_url=redis_url,
+        schema=schema,
+        key_prefix=prefix,
+        listen=False,
+        **settings,
+    )
+    try:
+        yield d, url
+    finally:
+        d.close()
+        drop_run(database_url, schema, redis_url, f"{prefix}:")

@@ -27,7 +27,7 @@ from outbox_dispatch.publisher import CLAIM_AT_START, Wire
 from outbox_dispatch.rows import Claimed
 from outbox_dispatch.settle import Outcome
 from tests.conftest import count_rows
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import dispatcher_under, wait_for
 
 
 @pytest.fixture
@@ -48,29 +48,15 @@ def named_listener(
 
 @contextlib.contextmanager
 def _own_schema(
-    name: str, database_url: str, redis_url: str, run_id: str, fn: Callable[..., None]
+    name: str, database_url: str, redis_url: str, fn: Callable[..., None]
 ) -> Iterator[tuple[Dispatcher, str]]:
-    """A dispatcher on a schema of the test's own, migrated, with the family ``quick`` and
-    its command ``t.<name>``; the schema is dropped after."""
-    from celery import Celery
-
-    schema = f"od_test_{run_id}_{name}"
-    d = Dispatcher(
-        Celery(name, broker=redis_url),
-        database_url=database_url,
-        redis_url=redis_url,
-        schema=schema,
-        listen=False,
-    )
-    d.family("quick", lease=5)
-    d.handler(f"t.{name}", family="quick")(fn)
-    try:
+    """A dispatcher on a schema of the test's own (``dispatcher_under``), migrated, with the
+    family ``quick`` and its command ``t.<name>``; yields it and its schema."""
+    with dispatcher_under("", database_url, redis_url, name) as (d, _url):
+        d.family("quick", lease=5)
+        d.handler(f"t.{name}", family="quick")(fn)
         d.migrate()
-        yield d, schema
-    finally:
-        d.close()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        yield d, d.schema
 
 
 def _notified(conn: psycopg.Connection[Any], count: int) -> list[str]:
@@ -360,7 +346,7 @@ def test_a_named_rows_message_is_the_one_row_message_with_its_start_told_to_clai
 
 
 def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_leaves_the_row(
-    database_url: str, redis_url: str, run_id: str
+    database_url: str, redis_url: str
 ) -> None:
     """A worker of this version against a schema its migrations have not reached (no
     outbox_claim_start: migrations 0008 and 0009): the start fails with SchemaNotReady naming the
@@ -373,7 +359,7 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
     def record(ctx: Context, payload: Any) -> None:
         ran.append(ctx.row_id)
 
-    with _own_schema("behind", database_url, redis_url, run_id, record) as (d, schema):
+    with _own_schema("behind", database_url, redis_url, record) as (d, schema):
         with psycopg.connect(database_url, autocommit=True) as conn:  # as before 0008
             conn.execute(f'DROP FUNCTION "{schema}".outbox_claim_start')
             conn.execute(f'DELETE FROM "{schema}".outbox_migrations WHERE version >= 8')
@@ -428,7 +414,7 @@ def test_a_row_its_start_claimed_is_settled_at_once_not_a_window_later(
 
 
 def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_statistics(
-    database_url: str, redis_url: str, run_id: str
+    database_url: str, redis_url: str
 ) -> None:
     """The start's function (migration 0009) finds its row by the primary key. Migration
     0008's matched the id with the family, due time and state, which the partial index
@@ -436,7 +422,7 @@ def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_st
     autovacuum's ANALYZE, autovacuum off) the planner walked every due row of the index for
     the one row, 14 ms a start beside 100,000 due rows, with the family's claim lock held.
     Counted in index tuples read, so no clock is involved."""
-    with _own_schema("nostats", database_url, redis_url, run_id, lambda c, p: None) as (d, schema):
+    with _own_schema("nostats", database_url, redis_url, lambda c, p: None) as (d, schema):
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'ALTER TABLE "{schema}".outbox SET (autovacuum_enabled = false)')
         with psycopg.connect(database_url) as conn:

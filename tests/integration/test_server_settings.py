@@ -8,7 +8,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -19,37 +18,11 @@ from celery import Celery
 from outbox_dispatch import Context, DatabaseError, Dispatcher, PermanentFailure
 from outbox_dispatch.claimer import ClaimReport
 from outbox_dispatch.settle import Outcome
-from tests.conftest import drop_run
+from tests.integration.conftest import dispatcher_under
 
 CLAIM_LOCK = "SELECT pg_advisory_xact_lock(hashtext(%s))"
 CAPS_LOCK = "SELECT pg_advisory_xact_lock{}(hashtextextended(%s, 0))"  # "" or "_shared"
 STYLES = "-c DateStyle=SQL,\\ DMY -c IntervalStyle=iso_8601 -c TimeZone=Pacific/Chatham"
-
-
-@contextmanager
-def dispatcher_under(
-    options: str, database_url: str, redis_url: str, name: str, **settings: Any
-) -> Iterator[tuple[Dispatcher, str]]:
-    """A dispatcher (with ``settings``) on a schema and Redis prefix of its own, through a URL
-    whose sessions default to ``options`` (as a user's server, role or URL could set them);
-    yields it and that URL, and drops what it made."""
-    url = psycopg.conninfo.make_conninfo(database_url, options=options)
-    schema = f"od_test_{uuid.uuid4().hex[:8]}_{name}"
-    prefix = f"od{name}{uuid.uuid4().hex[:8]}"
-    d = Dispatcher(
-        Celery(name, broker="memory://", set_as_current=False),
-        database_url=url,
-        redis_url=redis_url,
-        schema=schema,
-        key_prefix=prefix,
-        listen=False,
-        **settings,
-    )
-    try:
-        yield d, url
-    finally:
-        d.close()
-        drop_run(database_url, schema, redis_url, f"{prefix}:")
 
 
 @pytest.fixture
