@@ -219,7 +219,8 @@ def test_a_start_that_claims_reads_its_row_and_counts_along_the_claimed_index(
 ) -> None:
     """deliver_claim_begin (the function outbox_claim_start: auto_explain shows its nested
     statements' plans) finds its row by primary key and updates that row version, and its
-    in-flight count reads the outbox_claimed index range, not the 400k rows."""
+    in-flight count reads the outbox_claimed index range, not the 400k rows; and its plans
+    are generic, made for the function's parameters, from the session's first calls."""
     store = Store(database_url, big_schema, pool_size=1)
     nested: list[str] = []
     try:
@@ -254,6 +255,9 @@ def test_a_start_that_claims_reads_its_row_and_counts_along_the_claimed_index(
     assert len(started) == 1 and started[0][0] == "intent", started
     (lookup,) = [n for n in nested if "LockRows" in n]  # the row by its id, locked (0009)
     assert "Seq Scan" not in lookup and "outbox_pkey" in lookup, lookup
+    # planned once for any values (0010), not for this call's: a session's first starts
+    # each planned their statements for their own values
+    assert "(id = $1)" in lookup, lookup
     (update,) = [n for n in nested if "Update on outbox" in n]
     assert "Tid Scan" in update and "Seq Scan" not in update, update  # that row version
     (count,) = [n for n in nested if "count(*)" in n and "Update on" not in n]

@@ -349,7 +349,7 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
     database_url: str, redis_url: str
 ) -> None:
     """A worker of this version against a schema its migrations have not reached (no
-    outbox_claim_start: migrations 0008 and 0009): the start fails with SchemaNotReady naming the
+    outbox_claim_start: migrations 0008 to 0010): the start fails with SchemaNotReady naming the
     command to run, and the row is as it was, for a claim (which needs no new function) to
     deliver; once migrated, the same start claims and runs it."""
     from outbox_dispatch.errors import SchemaNotReady
@@ -376,7 +376,7 @@ def test_a_start_that_claims_on_a_schema_behind_this_version_says_migrate_and_le
             ).fetchone()
         assert row == (0, None, None) and ran == []
 
-        assert d.migrate() == [8, 9]
+        assert d.migrate() == [8, 9, 10]
         (result,) = delivery.deliver_message(message, family_hint="quick", claim=True)
         assert result.outcome is Outcome.DELIVERED and ran == [row_id]
 
@@ -454,7 +454,7 @@ def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_st
                 return int(row[0])
 
             before = read_in_outbox_due()
-            for _ in range(6):  # past the custom plans: PL/pgSQL keeps a generic one after five
+            for _ in range(6):  # before 0010, PL/pgSQL planned the first five for their values
                 started = conn.execute(query, params).fetchall()
                 conn.execute(
                     f'UPDATE "{schema}".outbox SET claim_token = NULL, attempts = 0,'
@@ -464,3 +464,4 @@ def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_st
                 assert [r[1] for r in started] == ["t.nostats"]
             read = read_in_outbox_due() - before
         assert read < 100, f"{read} index tuples of outbox_due read for six starts of one row"
+
