@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -67,10 +68,12 @@ class Pools:
         pool_size: int = 4,
         handler_pool_size: int = 32,
         main_options: dict[str, str] | None = None,
+        warm: Callable[[Conn], None] | None = None,
     ) -> None:
         self.database_url = database_url
         self.schema = schema
         self.main_options = main_options or {}  # libpq settings of the main pool only
+        self.warm = warm  # run by each new main-pool session after its settings (store.py)
         self._sizes = {"outbox": (1, pool_size), "handlers": (0, handler_pool_size)}
         self._pools: dict[str, ConnectionPool] = {}
         self._pid = 0
@@ -99,11 +102,16 @@ class Pools:
                     min_size=low,
                     max_size=high,
                     kwargs={"autocommit": True, **extra},
-                    configure=_main_session if role == "outbox" else _session,
+                    configure=self._main_session if role == "outbox" else _session,
                     open=True,
                     name=f"{role}-{self.schema}",
                 )
             return self._pools[role]
+
+    def _main_session(self, conn: Conn) -> None:
+        _main_session(conn)
+        if self.warm is not None:
+            self.warm(conn)
 
     def close(self) -> None:
         with self._lock:

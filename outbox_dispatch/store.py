@@ -28,7 +28,7 @@ from .errors import (
     StatementCancelled,
 )
 from .health import PROBE_CONNECT_TIMEOUT, Breaker, liveness_options
-from .logs import mask_dsn
+from .logs import event, mask_dsn
 from .policy import Candidate, Family, LostAttempt, starts_flushed
 from .pool import Conn, Pools
 from .rows import (
@@ -130,6 +130,7 @@ class Store:
             pool_size=pool_size,
             handler_pool_size=handler_pool_size,
             main_options=liveness_options(database_url) if breaker is not None else None,
+            warm=self._warm_start,
         )
 
     @property
@@ -348,6 +349,24 @@ class Store:
                 "flushed_starts": self.starts_flushed(family),
             },
         )
+
+    def _warm_start(self, conn: Conn) -> None:
+        """Compile and plan the start that claims in a new main-pool session, off the path of
+        a delivery (deliver_claim_begin_warm). Before the schema is migrated there is nothing
+        to warm: the session is kept as it is, unless the connection itself failed."""
+        params = {"lock_name": f"{self.schema}.warm-up", "channel": self.channel}
+        try:
+            conn.execute(self.q["deliver_claim_begin_warm"], params)
+        except psycopg.Error as exc:
+            if conn.broken:
+                raise
+            event(
+                log,
+                logging.DEBUG,
+                "start_not_warmed",
+                f"a new session could not warm the start that claims ({mask_dsn(str(exc))}); "
+                "its first start plans it instead",
+            )
 
     def _claim_lock(self, family: Family) -> str:
         """The family's claim lock: claims and starts that claim serialize on it."""

@@ -465,3 +465,53 @@ def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_st
             read = read_in_outbox_due() - before
         assert read < 100, f"{read} index tuples of outbox_due read for six starts of one row"
 
+
+def test_a_new_main_pool_session_warms_the_start_and_changes_nothing(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, run_id: str
+) -> None:
+    """A pool process's first start that claims found its function uncompiled and planned it
+    for its values (4 ms, then 0.5-0.9 ms for each of the next five, against 0.2): a new
+    main-pool session calls it once on no row, which leaves a due row, its family's lock and
+    the wake channel as they were; a session on a schema not migrated yet is still handed
+    out. Counted in the function's calls (track_functions), so no clock is involved."""
+    from psycopg.conninfo import make_conninfo
+
+    from outbox_dispatch.store import Store
+
+    cmd = commands(family="quick")
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        row_id = dispatcher.enqueue(conn, cmd, {})
+    schema = dispatcher.schema
+    counted = make_conninfo(database_url, options="-c track_functions=pl")
+    store = Store(counted, schema, pool_size=1)
+    try:
+        with psycopg.connect(database_url, autocommit=True) as listening:
+            listening.execute(f'LISTEN "{store.channel}"')
+            with store.connection() as conn:  # the pool's one session: warmed as it opened
+                conn.execute("SELECT pg_stat_force_next_flush()")  # this session's, at its end
+                row = conn.execute(
+                    "SELECT calls FROM pg_stat_user_functions"
+                    " WHERE schemaname = %s AND funcname = 'outbox_claim_start'",
+                    (schema,),
+                ).fetchone()
+            assert row == (1,), row  # its call: only this session counts calls (track_functions)
+            assert list(listening.notifies(timeout=0.2)) == []  # asked for no claim
+        with psycopg.connect(database_url) as conn:
+            kept = conn.execute(
+                f'SELECT attempts, claim_token FROM "{schema}".outbox WHERE id = %s', (row_id,)
+            ).fetchone()
+        assert kept == (0, None)
+    finally:
+        store.close()
+
+    bare = f"od_bare_{run_id}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{bare}"')
+    unmigrated = Store(database_url, bare, pool_size=1)
+    try:
+        with unmigrated.connection() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        unmigrated.close()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{bare}" CASCADE')
