@@ -471,9 +471,9 @@ def test_a_new_main_pool_session_warms_the_start_and_changes_nothing(
 ) -> None:
     """A pool process's first start that claims found its function uncompiled and planned it
     for its values (4 ms, then 0.5-0.9 ms for each of the next five, against 0.2): a new
-    main-pool session calls it once on no row, which leaves a due row, its family's lock and
-    the wake channel as they were; a session on a schema not migrated yet is still handed
-    out. Counted in the function's calls (track_functions), so no clock is involved."""
+    main-pool session calls it once on no row, which leaves a due row as it was and asks for
+    no claim; a session on a schema not migrated yet is still handed out. Counted in the
+    function's calls (track_functions), so no clock is involved."""
     from psycopg.conninfo import make_conninfo
 
     from outbox_dispatch.store import Store
