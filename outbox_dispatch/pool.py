@@ -102,13 +102,14 @@ class Pools:
                     min_size=low,
                     max_size=high,
                     kwargs={"autocommit": True, **extra},
-                    configure=self._main_session if role == "outbox" else _session,
+                    configure=self._configure_main if role == "outbox" else _session,
                     open=True,
                     name=f"{role}-{self.schema}",
                 )
             return self._pools[role]
 
-    def _main_session(self, conn: Conn) -> None:
+    def _configure_main(self, conn: Conn) -> None:
+        """A new main-pool session: its settings, then the caller's warm-up."""
         _main_session(conn)
         if self.warm is not None:
             self.warm(conn)

@@ -467,7 +467,7 @@ def test_a_start_that_claims_reads_its_row_by_id_beside_a_due_backlog_without_st
 
 
 def test_a_new_main_pool_session_warms_the_start_and_changes_nothing(
-    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, run_id: str
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, redis_url: str
 ) -> None:
     """A pool process's first start that claims found its function uncompiled and planned it
     for its values (4 ms, then 0.5-0.9 ms for each of the next five, against 0.2): a new
@@ -504,14 +504,6 @@ def test_a_new_main_pool_session_warms_the_start_and_changes_nothing(
     finally:
         store.close()
 
-    bare = f"od_bare_{run_id}"
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{bare}"')
-    unmigrated = Store(database_url, bare, pool_size=1)
-    try:
-        with unmigrated.connection() as conn:
+    with dispatcher_under("", database_url, redis_url, "bare") as (unmigrated, _url):
+        with unmigrated.database().store.connection() as conn:
             assert conn.execute("SELECT 1").fetchone() == (1,)
-    finally:
-        unmigrated.close()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA "{bare}" CASCADE')
