@@ -224,8 +224,16 @@ class Claimer:
         taken: dict[int, Slot] = {}  # row id -> the slot granted for it
         wake = False  # lapsed holders' slots freed: their actors' waiting rows are due
 
+        rules: dict[str, CapRule | None] = {}  # command -> its rule for a row with an actor
+
         def rule(c: Candidate) -> CapRule | None:
-            return self.cap_rule(family, c.command, c.actor)
+            if c.actor is None:
+                return None
+            try:
+                return rules[c.command]
+            except KeyError:
+                found = rules[c.command] = self.cap_rule(family, c.command, c.actor)
+                return found
 
         def decide(
             candidates: list[Candidate], limit: int, lapsed: list[LapsedHolder]

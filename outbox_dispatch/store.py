@@ -326,7 +326,12 @@ class Store:
     ) -> Any:
         """The lease statement: for rows the claim holds locked (``ids``), or for the due rows
         it picks itself (``ids`` None, up to ``batch`` within the in-flight limit); its cursor
-        (in pipeline mode the rows can be fetched after the commit was queued)."""
+        (in pipeline mode the rows can be fetched after the commit was queued). ``ids`` and
+        their ``tokens`` go sorted by id: the statement finds each row's token by binary
+        search."""
+        if ids and tokens:
+            pairs = sorted(zip(ids, tokens, strict=True))
+            ids, tokens = [i for i, _ in pairs], [t for _, t in pairs]
         params = {
             **_lease_params(family),
             "flushed_starts": self.starts_flushed(family),
