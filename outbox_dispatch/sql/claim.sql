@@ -44,7 +44,7 @@ SELECT set_config('lock_timeout', '0', true),
 -- (returned with no token). Where starts do not flush, a claim older than the server's start
 -- counts as started: a Postgres crash may have lost its start after the handler ran. Each row is judged from its own columns and found by primary key:
 -- no join, so no plan can turn the claim into a scan per row (a table without statistics
--- once got a nested loop of sequential scans: 5 s for 2,000 rows). Given ids come sorted
+-- once got a nested loop of sequential scans: 5 s for 2,000 rows). Ids, when given, come sorted
 -- (Store._lease), so a row's token is found by binary search (width_bucket), where a search
 -- of the array per row made a claim quadratic (10 ms of a 2,000-row claim). The first column
 -- is the room the pick had (NULL when ids were given); a last row with no id carries it even
