@@ -45,8 +45,8 @@ Wake = tuple[str, str | None]
 # Seconds the oldest held release may wait for a start to write it with the later ones. At
 # 100 actors capped at 4 over 5,000 no-op rows (AMD EPYC host, two runs of four rounds each),
 # 5 ms drained at 0.80 and 0.81 of the uncapped family, 20 ms at 0.84 and 0.85, 50 ms at 0.82
-# and 0.83: fewer writes (each a system call and a script run in Redis), while a slot freed
-# a little later still reaches the claim before the actor's queued rows have run.
+# and 0.83: fewer writes (each a system call and a script run in Redis), and the later
+# return of a slot did not slow the drain (docs/benchmark.md, 2026-12-05's third round).
 HOLD_FOR = 0.02
 
 
