@@ -144,14 +144,16 @@ def test_a_transactional_handler_outlasting_a_heartbeat_commits_under_a_repeatab
     committed, whatever the default."""
     rr = "-c default_transaction_isolation=repeatable\\ read"
     with dispatcher_under(rr, database_url, redis_url, "rr") as (d, _):
-        d.family("slow", max_attempts=1, lease=10, heartbeat_timeout=1.0)
+        # a heartbeat timeout of 2 s: renewals every 0.67 s, each with 1.3 s to spare (with 1 s,
+        # a CI run with the machine loaded by other work once saw the lease run out first)
+        d.family("slow", max_attempts=1, lease=10, heartbeat_timeout=2.0)
         seen: list[str] = []
 
         def slow(ctx: Context, payload: Any) -> None:
             assert ctx.conn is not None
             row = ctx.conn.execute("SHOW transaction_isolation").fetchone()
             seen.append(row[0] if row else "")
-            time.sleep(0.8)  # past a renewal (every third of the heartbeat timeout)
+            time.sleep(1.0)  # past a renewal (every third of the heartbeat timeout)
 
         d.handler("rr.slow", family="slow", transactional=True)(slow)
         d.migrate()
