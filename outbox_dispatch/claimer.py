@@ -24,13 +24,11 @@ from . import metrics
 from .caps import Caps, CapsIncomplete, CapsUnavailable, Slot
 from .caps_rebuild import rebuild
 from .errors import DatabaseError, StatementCancelled
-from .handed import HandedRows
 from .logs import event
 from .policy import (
     Candidate,
     CapRule,
     Family,
-    FeedBasis,
     batch_after_cancel,
     batch_after_claim,
     broker_room,
@@ -118,7 +116,6 @@ class Claimer:
         self.queued = queued
         self.consumers = consumers
         self.run_stats = run_stats
-        self.handed = HandedRows()  # rows this worker's listener handed over unclaimed
         self._passes = 0
         self._sizes: dict[str, int] = {}  # family -> rows per message of its last claim
         # family -> the most rows its claims take since the server cancelled one (a
@@ -144,16 +141,6 @@ class Claimer:
             lease=family.lease,
         )
 
-    def feed_basis(self, family: Family) -> FeedBasis | None:
-        """What the local feed needs of a family pinned to one row per message (a family that
-        packs a backlog needs none), once its handlers' run time has been measured."""
-        if family.most_per_message > 1 or self.run_stats is None:
-            return None
-        stats = self.run_stats.of(family.name)
-        if stats is None:
-            return None
-        return FeedBasis(self.consumers_of(family), stats[1], family.max_in_flight, family.lease)
-
     def consumers_of(self, family: Family) -> int:
         """The processes that consume the family's queue at least: the setting (or this
         worker's concurrency), or more when more reported run times lately."""
@@ -165,7 +152,7 @@ class Claimer:
         if self.is_capped(family):
             result = self._claim_capped(family, batch or self.batch)
         else:
-            result = self.store.claim(family, batch or self.batch, self.handed.held(family.name))
+            result = self.store.claim(family, batch or self.batch)
         for row_id in result.parked:
             event(
                 log,

@@ -7,8 +7,7 @@ statement that starts the next attempt first settles the row delivered before it
 deleted, one kept as done; ``Store.start``), so that settle costs no round trip of its own,
 and it commits with the start, before the next handler runs. What no start carried within
 ``WINDOW`` (the last row of a burst, low load) this module's thread settles, several rows per
-fenced statement; a row whose start claimed it (low load, the listener's hand-off) at once,
-since the starts that follow it claim too and carry nothing. A settle that is refused (a
+fenced statement. A settle that is refused (a
 cancel request arrived, or the claim was lost) goes back to the one-row path, which records
 it as cancelled or lost.
 
@@ -79,20 +78,13 @@ class DeferredSettles:
         self._thread: threading.Thread | None = None
         self._pid = 0
 
-    def add(self, kind: SettleKind, started: Started, *, promptly: bool = False) -> None:
-        """A delivered row to settle. ``promptly``: no start is expected to carry it (the row's
-        own start claimed it, so this process is fed by starts that claim, which carry no
-        settles): the thread settles it now, with what else is pending, instead of a WINDOW
-        later. Waiting bought nothing there, and the settle's commit landed a WINDOW after
-        the handler: under a steady 50 rows/s, on the next row's start (whose p99 was
-        2.3-3.2 ms against 1.5-1.9 when the settle came at once; docs/benchmark.md)."""
+    def add(self, kind: SettleKind, started: Started) -> None:
+        """A delivered row to settle."""
         with self._lock:
             self._pending.append((kind, started))
             if len(self._pending) == 1:
                 self._first_add = time.monotonic()
-            if promptly:
-                self._first_add = time.monotonic() - WINDOW  # the thread's turn has come
-            wake = self._rouse() or promptly  # asleep until a WINDOW ends: it looks again now
+            wake = self._rouse()
         if wake:
             self._wake.set()
 

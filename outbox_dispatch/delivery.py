@@ -21,7 +21,7 @@ from .errors import DatabaseError, PermanentFailure, RetryLater, StatementCancel
 from .handlers import Context, HandlerFn, Registry
 from .heartbeat import TICK, Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
-from .policy import CapRule, Family, cap_rule, family_claims_at_start
+from .policy import CapRule, Family, cap_rule
 from .pool import Conn
 from .rows import Started
 from .runstats import RunTimes
@@ -169,21 +169,25 @@ class Delivery:
         *,
         family_hint: str | None = None,
         defer: bool = False,
-        claim: bool = False,
+        stop_at: float | None = None,
     ) -> list[Result]:
         """Deliver what a broker message names: one (id, token) pair or a batch of them.
-        ``defer``: a worker hands eligible successes to the deferred settles. ``claim``: a
-        one-row message of the listener's hand-off whose row is not claimed yet
-        (``claims_at_start``): its start claims it."""
+        ``defer``: a worker hands eligible successes to the deferred settles. ``stop_at``:
+        when Celery's soft time limit for the message fires (monotonic, see ``limit_clock``);
+        a handler still running then did not return on its own, whatever it does with it."""
         pair = parse_message(args)
-        pairs = parse_batch(args) if pair is None and not claim else None
+        pairs = parse_batch(args) if pair is None else None
         if pair is not None:
             try:
-                results = [self.deliver(*pair, family_hint=family_hint, defer=defer, claim=claim)]
+                results = [
+                    self.deliver(*pair, family_hint=family_hint, defer=defer, stop_at=stop_at)
+                ]
             except StatementCancelled as exc:
                 results = [_cancelled(exc, pair[0], family_hint)]
         elif pairs is not None:
-            results = self.deliver_batch(pairs, family_hint=family_hint, defer=defer)
+            results = self.deliver_batch(
+                pairs, family_hint=family_hint, defer=defer, stop_at=stop_at
+            )
         else:
             shown = repr(args)[:200]
             event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
@@ -199,6 +203,7 @@ class Delivery:
         *,
         family_hint: str | None = None,
         defer: bool = False,
+        stop_at: float | None = None,
     ) -> list[Result]:
         """A batched message: its rows one after another, each exactly as if it had come in a
         message of its own (its own start, attempt, time limit, cap slot, settle).
@@ -223,6 +228,7 @@ class Delivery:
                         family_hint=family_hint,
                         defer=defer,
                         renew_until=until,
+                        stop_at=stop_at,
                     )
                 )
             except StatementCancelled as exc:  # the database answers: the rows after it run
@@ -279,6 +285,7 @@ class Delivery:
         family: Family,
         renew_until: float | None = None,
         held: float | None = None,
+        stop_at: float | None = None,
     ) -> tuple[Context, Running]:
         """``held``: seconds the row's cap slot is surely held from now (None: a whole
         heartbeat timeout, as a renewal just gave it)."""
@@ -297,6 +304,8 @@ class Delivery:
         soft, hard = _deadlines(family)
         if hard is not None and renew_until is not None:
             hard = max(hard, renew_until)
+        if stop_at is not None:
+            soft = stop_at if soft is None else min(soft, stop_at)
         running = Running(
             ctx=ctx,
             token=started.token,
@@ -316,22 +325,13 @@ class Delivery:
         family_hint: str | None = None,
         defer: bool = False,
         renew_until: float | None = None,
-        claim: bool = False,
+        stop_at: float | None = None,
     ) -> Result:
-        if claim:
-            started = self._claim_start(row_id, token, family_hint)
-        else:
-            started = self._start(row_id, token, family_hint)
+        started = self._start(row_id, token, family_hint)
         family = None if started is None else self.families.get(started.family)
         held = None if started is None or family is None else self._check_slot(started, family)
         # returned handlers' releases, unless they were held for less than HOLD_FOR
         self._send_held_releases()
-        if started is None and claim:
-            # nothing to explain: the claim it raced took the row, or the family's room is
-            # full and the NOTIFY the statement sent asks for a claim
-            why = "not claimed at its start (claimed elsewhere, or no room in flight)"
-            event(log, logging.DEBUG, "stale_dropped", why, row_id=row_id, family=family_hint)
-            return Result(Outcome.STALE, row_id, why)
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
@@ -341,7 +341,7 @@ class Delivery:
         reg = self.registry.registration(started.command)
         if family is None or reg is None or reg.fn is None or started.cancel_requested:
             return self._start_checked(started, family)
-        _ctx, running = self._context(started, family, renew_until, held)
+        _ctx, running = self._context(started, family, renew_until, held, stop_at)
         self.heartbeats.add(running)
         metrics.started(started.family, started.waited, self.database)
         t0 = time.perf_counter()
@@ -350,7 +350,7 @@ class Delivery:
                 if reg.transactional:
                     result = self._run_in_transaction(started, family, reg.fn, running)
                 else:
-                    result = self._run(started, family, reg.fn, running, defer=defer, claimed=claim)
+                    result = self._run(started, family, reg.fn, running, defer=defer)
             finally:
                 self.heartbeats.remove(running)
                 elapsed = time.perf_counter() - t0
@@ -380,30 +380,6 @@ class Delivery:
         self.deferred.landed(pending, settled)
         return started
 
-    def claims_at_start(self, family: Family) -> bool:
-        return family_claims_at_start(family, self.registry.capped_commands(family.name))
-
-    def _claim_start(self, row_id: int, token: UUID, family_hint: str | None) -> Started | None:
-        """The start of a row the listener handed over unclaimed: claimed and started in one
-        statement. Only a family whose rows a claim may take alone (``claims_at_start``);
-        another's row is left to its family's claim. It carries no deferred settles (the
-        statement is the claim's, with its lock): the settles' thread writes them."""
-        family = self.families.get(family_hint) if family_hint else None
-        if family is None or not self.claims_at_start(family):
-            return None
-        t0 = time.perf_counter()
-        try:
-            started = self.store.claim_start(family, row_id, token, self._run_lease_for(family))
-        except StatementCancelled as exc:  # its wait for the family's claim lock, most likely
-            why = f"{exc}; the row is left as it was, for the family's next claim"
-            event(
-                log, logging.INFO, "claim_start_cancelled", why, row_id=row_id, family=family.name
-            )
-            return None
-        rows = 0 if started is None else 1
-        metrics.claimed(family.name, rows, time.perf_counter() - t0, self.database)
-        return started
-
     def _run(
         self,
         started: Started,
@@ -412,11 +388,8 @@ class Delivery:
         running: Running,
         *,
         defer: bool,
-        claimed: bool = False,
     ) -> Result:
-        """Run a handler outside any transaction of ours. ``claimed``: its start claimed the
-        row (the hand-off at low load): a deferred settle is written at once, since the next
-        start here is likely to claim too and carries none."""
+        """Run a handler outside any transaction of ours."""
         if log.isEnabledFor(logging.DEBUG):
             event(log, logging.DEBUG, "handler_started", "running handler", **_fields(started))
         t0 = time.perf_counter()
@@ -437,7 +410,7 @@ class Delivery:
         if defer and not family.ordered and running.stop_reason() is None:
             # off the hot path: nothing waits on this settle (no ordered line moves on it); a
             # row cancelled while it ran settles now, so that its outcome says so
-            self.deferred.add(settle.kind, started, promptly=claimed)
+            self.deferred.add(settle.kind, started)
             if self.caps is not None and (slot := self._slot_of(started)) is not None:
                 # a cap counts running handlers: this one returned, so its slot goes back now,
                 # written with others within HOLD_FOR, or at the message's end (caps_pipelined)

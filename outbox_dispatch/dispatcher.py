@@ -6,7 +6,6 @@ import inspect
 import logging
 import math
 import os
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -34,9 +33,8 @@ from .errors import (
     UnknownFamily,
 )
 from .handlers import HandlerFn, Registration, Registry
-from .handoff import LocalHandoff
 from .health import Breaker
-from .listener import SAFETY_INTERVAL, CommitListener, Named
+from .listener import SAFETY_INTERVAL, CommitListener
 from .logs import about_database, event, mask_dsn
 from .maintenance import Maintenance
 from .migrations import migrate
@@ -112,7 +110,6 @@ class Dispatcher:
         consumers: int | None = None,
         task_family: str = "job",
         task_outside: str = "commit",
-        handoff: bool = True,
         flushed_starts: bool = False,
     ) -> None:
         urls = database_urls(database_url, databases)
@@ -129,7 +126,6 @@ class Dispatcher:
         require_whole("consumers", consumers, optional=True)
         for name, flag in (
             ("listen", listen),
-            ("handoff", handoff),
             ("flushed_starts", flushed_starts),
         ):
             if not isinstance(flag, bool):
@@ -197,13 +193,8 @@ class Dispatcher:
         self._cron_task = wiring.register_periodic(app, wiring.CRON_TASK, self.run_cron)
         wiring.on_configured(app, self._apply_queues)
         self.listen = listen
-        # the leading listener's worker runs what it claims itself when it has room
-        self.handoff = LocalHandoff(self.publisher.send) if listen and handoff else None
-        self.publisher.local = self.handoff
         if listen:
             wiring.install_listener_step(app, self.commit_listeners)
-        if self.handoff is not None:
-            wiring.install_handoff_step(app, self.handoff)
         metrics.install_worker_server(app, self)
         for db in self.databases.values():
             wiring.on_worker_exit(db.delivery.deferred.flush)
@@ -265,7 +256,6 @@ class Dispatcher:
             partial(self.claim_and_publish, database=db.name, refills=True),
             sweep=self.claim_interval,
             database=self._shown(db),
-            hand=partial(self.hand_unclaimed, database=db.name),
             trail=self.caps.wake_ms / 1000 if self.caps is not None else None,
         )
 
@@ -635,40 +625,13 @@ class Dispatcher:
         """One message per row, or per ``size`` rows; all on one producer connection. The
         messages name ``database`` unless it is the first. The queue's cached length counts
         those put on the broker until it is read again (a claim that follows within the
-        cache's life sees them). A family pinned to one row per message feeds this worker's
-        own consumer its share of the rows (policy.local_feed)."""
+        cache's life sees them)."""
         if rows:
             db = self.database(database)
             named = None if db.primary else db.name
-            feed = db.claimer.feed_basis(family) if self.publisher.local is not None else None
             queue = self.queue_name(family.name)
-            sent = self.publisher.publish(family, rows, queue, size, named, feed)
-            self.queues.published(family, sent.broker)
-            metrics.handed_off(family.name, sent.local, db.name)
-
-    def hand_unclaimed(
-        self, named: Mapping[str, Sequence[Named]], database: str | None = None
-    ) -> set[str]:
-        """Give the rows commits named to this worker's idle pool processes, unclaimed: their
-        starts claim them (listener.py). Returns the families left to a claim: unknown here,
-        capped or ordered, or with more rows than this worker has idle processes (the claim
-        leaves the rows handed over to their starts, handed.py)."""
-        db = self.database(database)
-        shown = None if db.primary else db.name  # the name the messages carry
-        left: set[str] = set()
-        for name, rows in named.items():
-            family = self.families.get(name)
-            if family is None or not db.delivery.claims_at_start(family):
-                left.add(name)
-                continue
-            unclaimed = [Claimed(r.id, uuid.uuid4(), r.command, r.actor, 1) for r in rows]
-            queue = self.queue_name(name)
-            handed = self.publisher.hand_unclaimed(family, unclaimed, queue, shown)
-            metrics.handed_off(name, handed, db.name)
-            db.claimer.handed.add(name, (row.id for row in rows[:handed]))
-            if handed < len(rows):
-                left.add(name)
-        return left
+            sent = self.publisher.publish(family, rows, queue, size, named)
+            self.queues.published(family, sent)
 
     def _consumers(self) -> int:
         """How many processes consume a family's queue at least: the ``consumers`` setting, or
@@ -727,7 +690,7 @@ class Dispatcher:
         self.publish(family, rows, size, database)
 
     def _deliver_from_queue(
-        self, args: tuple[Any, ...], routing_key: str | None, claim: bool = False
+        self, args: tuple[Any, ...], routing_key: str | None, stop_at: float | None = None
     ) -> list[Result]:
         prefix = self.queue_prefix + "."
         hint = (
@@ -742,7 +705,9 @@ class Dispatcher:
             return [Result(Outcome.STALE, None, f"unknown database {shown}")]
         with about_database(self._shown(db)):
             try:
-                return db.delivery.deliver_message(rest, family_hint=hint, defer=True, claim=claim)
+                return db.delivery.deliver_message(
+                    rest, family_hint=hint, defer=True, stop_at=stop_at
+                )
             except DatabaseUnavailable as exc:
                 # acked without a start: its rows are claimed again after their lease, once the
                 # database is back, and this pool process moves on to other databases' rows

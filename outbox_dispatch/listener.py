@@ -13,14 +13,6 @@ due without a commit (delays, retries, lapsed leases): beat's claim entry, which
 task to a pool process every second for that, then runs only as the safety net (every
 ``SAFETY_INTERVAL``), since each of its ticks delayed the deliveries around it by several ms.
 
-A commit's NOTIFY that names its row (the transaction's first row due now, enqueue.sql) is
-handed, unclaimed, to an idle pool process of this worker when its family lets a start claim
-alone (no caps, no order): that process claims and starts the row in one statement
-(deliver_claim_begin). The hop to the process comes first and one round trip follows it,
-where a claim, the hop and a start came one after another. Rows named beyond the processes
-free are claimed, and that claim leaves the rows handed over to their starts (handed.py).
-Any other wake is a claim, as before.
-
 A family whose claim stopped at its in-flight limit (or a full queue), or that was left
 because its queue holds work for every consumer (policy.claim_can_wait: its rows are claimed
 together, and packed, once it drains), is claimed again every ``refill`` seconds until a
@@ -41,12 +33,10 @@ trail.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import psycopg
 
@@ -63,51 +53,6 @@ RETRY_FIRST = 0.5  # seconds before the listener claims again after a failed pas
 RETRY_MOST = 8.0  # ... doubled after each further failure, up to this
 
 
-@dataclass(frozen=True)
-class Named:
-    """A row a commit's NOTIFY named: due now, and claimed by no one when it was sent."""
-
-    family: str
-    id: int
-    command: str
-    actor: str | None
-
-
-Hand = Callable[[dict[str, list[Named]]], set[str]]  # hands named rows; returns families left
-
-
-def read_wakes(payloads: Iterable[str]) -> tuple[set[str], dict[str, list[Named]]]:
-    """The families to claim, and the rows to hand unclaimed: those named by a family that
-    sent no plain wake (a plain one means more rows, which a claim takes in one go). A
-    payload that names a row but does not parse is taken as a wake of nothing."""
-    plain: set[str] = set()
-    named: dict[str, list[Named]] = {}
-    for payload in payloads:
-        if not payload.startswith("["):  # a family's name: never starts with "["
-            plain.add(payload)
-            continue
-        row = _named(payload)
-        if row is not None:
-            named.setdefault(row.family, []).append(row)
-    return plain, {f: rows for f, rows in named.items() if f not in plain}
-
-
-def _named(payload: str) -> Named | None:
-    try:
-        family, row_id, command, actor = json.loads(payload)
-    except (ValueError, TypeError):
-        return None
-    if not (
-        isinstance(family, str)
-        and isinstance(row_id, int)
-        and not isinstance(row_id, bool)
-        and isinstance(command, str)
-        and (actor is None or isinstance(actor, str))
-    ):
-        return None
-    return Named(family, row_id, command, actor)
-
-
 class CommitListener:
     def __init__(
         self,
@@ -121,7 +66,6 @@ class CommitListener:
         refill: float = REFILL,
         sweep: float | None = None,
         database: str | None = None,
-        hand: Hand | None = None,
         trail: float | None = None,
     ) -> None:
         self.database = database  # its name in log lines, when the dispatcher has several
@@ -133,7 +77,6 @@ class CommitListener:
         self.standby_retry = standby_retry
         self.refill = refill
         self.sweep = sweep
-        self.hand = hand  # named rows to this worker's pool processes, unclaimed
         self.trail = trail  # seconds before a family that took freed slots is claimed again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -230,25 +173,12 @@ class CommitListener:
                     continue
                 if payloads:
                     payloads += [n.payload for n in conn.notifies(timeout=self.coalesce)]
-                families = self._handed_over(payloads, saturated) | trailed
-                if not families and not saturated:
-                    continue  # every row named was handed over: nothing to claim
+                families = set(payloads) | trailed
                 for family in trailed:
                     del trailing[family]
                 report = self.claim(sorted(families | saturated))
                 saturated = _held_back(report)
                 self._trail(report, trailing)
-
-    def _handed_over(self, payloads: list[str], saturated: set[str]) -> set[str]:
-        """Hand the named rows over; the families left to claim. A family held back by its
-        in-flight limit is claimed: a start would find no room either."""
-        families, named = read_wakes(payloads)
-        for family in [f for f in named if f in saturated or self.hand is None]:
-            families.add(family)
-            del named[family]
-        if named and self.hand is not None:
-            families |= self.hand(named)
-        return families
 
     def _trail(self, report: ClaimReport, trailing: dict[str, float]) -> None:
         """Claim the families that took freed slots again one wake window from now (the

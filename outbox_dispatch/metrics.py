@@ -39,7 +39,6 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 3
 @dataclass(frozen=True)
 class _Instruments:
     claimed: Any
-    handed_off: Any
     outcomes: Any
     claim_seconds: Any
     start_latency: Any
@@ -53,12 +52,6 @@ def _instruments() -> _Instruments:
     return _Instruments(
         claimed=Counter(
             "outbox_claimed", "Rows claimed and published to the broker", ["database", "family"]
-        ),
-        handed_off=Counter(
-            "outbox_handed_off",
-            "Messages a worker's own claims gave to its own consumer instead of the broker "
-            "(the hand-off to idle pool processes, and the local feed of a one-row backlog)",
-            ["database", "family"],
         ),
         outcomes=Counter(
             "outbox_deliveries",
@@ -119,12 +112,6 @@ def claimed(family: str, rows: int, seconds: float, database: str = "default") -
     m.claim_seconds.labels(database, family).observe(seconds)
     if rows:
         m.claimed.labels(database, family).inc(rows)
-
-
-@_guarded
-def handed_off(family: str, messages: int, database: str = "default") -> None:
-    if messages > 0:
-        _instruments().handed_off.labels(database, family).inc(messages)
 
 
 @_guarded

@@ -254,48 +254,6 @@ def rows_per_message(
     return max(1, min(size, most))
 
 
-# The local feed (handoff.py): a claim of one-row messages made in a worker keeps up to this
-# share of them for the worker's own pool, past its prefetch room, so that they skip the broker
-# (a fetch and two synchronous round trips to Redis each on the worker's main thread). At
-# least a quarter always goes through the broker, so a worker that joins gets work.
-FEED_SHARE_MOST = 0.75
-FEED_HORIZON = 0.25  # seconds of its processes' measured work a worker keeps waiting for them
-FEED_MOST = 256  # messages a worker keeps waiting for its processes at most
-FEED_ROW_LEAST = 0.002  # seconds a row is counted at least (a start, a settle, Celery's hop)
-
-
-@dataclass(frozen=True)
-class FeedBasis:
-    """What a claim knows of its family for the local feed: the processes that consume it
-    (at least), its handlers' measured mean run time, its in-flight limit and lease."""
-
-    consumers: int
-    run_time: float
-    max_in_flight: int
-    lease: float
-
-
-def local_feed(basis: FeedBasis, processes: int, offered: int, waiting: int) -> int:
-    """How many of a claim's ``offered`` one-row messages the claiming worker, with
-    ``processes`` pool processes and ``waiting`` messages of its own not yet taken by one,
-    keeps past its prefetch room.
-
-    Its share of the family's consumers (at most FEED_SHARE_MOST), and never more waiting than
-    FEED_HORIZON of its processes' work (at most FEED_MOST): a worker killed with them loses
-    them until their lease, as it would prefetched ones. Nothing when the broker's part could
-    age towards its lease: while the worker runs its own messages first, the broker's drain
-    (1 - share) as fast, so the family's whole in-flight work, at that pace, must fit in half
-    the lease."""
-    processes = max(1, processes)
-    consumers = max(processes, basis.consumers)
-    share = min(FEED_SHARE_MOST, processes / consumers)
-    per_row = max(basis.run_time, FEED_ROW_LEAST)
-    if basis.max_in_flight * per_row / consumers / (1 - share) > basis.lease / 2:
-        return 0
-    most = min(FEED_MOST, int(processes * FEED_HORIZON / per_row))
-    return max(0, min(int(share * offered), most - waiting))
-
-
 def batch_after_cancel(tried: int) -> int:
     """The most rows a family's next claim takes after the server cancelled a claim of
     ``tried`` rows (a ``statement_timeout`` shorter than a big claim, a capped backlog's
@@ -370,13 +328,6 @@ def cap_rule(
 def family_is_capped(family: Family, has_command_caps: bool) -> bool:
     """Whether a family's claims go through the cap semaphores at all."""
     return not family.ordered and (family.per_actor is not None or has_command_caps)
-
-
-def family_claims_at_start(family: Family, has_command_caps: bool) -> bool:
-    """Whether a row of the family may be claimed by its own start, alone (listener.py,
-    deliver_claim_begin): no cap slot to take and no actor's order to keep, so the family
-    lock and the in-flight count are all a claim decides."""
-    return not family.ordered and not family_is_capped(family, has_command_caps)
 
 
 class Candidate(NamedTuple):

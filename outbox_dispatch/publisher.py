@@ -20,15 +20,14 @@ import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from celery import Celery, signals
 
-from .policy import Family, FeedBasis
+from .policy import Family
 from .rows import Claimed
 
 _DISPLAY = ("shadow", "argsrepr", "kwargsrepr")
-CLAIM_AT_START = "claim_at_start"  # a one-row message's kwarg: its start claims its row
 
 Outgoing = list[tuple[tuple[Any, ...], dict[str, Any]]]  # (task args, publish options)
 
@@ -50,27 +49,6 @@ class Wire:
     properties: dict[str, Any]
 
 
-class LocalSink(Protocol):
-    """Where a claim's messages may go instead of the broker (handoff.py): ``take`` keeps the
-    first messages it has room for and says how many."""
-
-    def take(
-        self,
-        queue: str,
-        wires: Sequence[Wire],
-        *,
-        idle: bool = False,
-        feed: FeedBasis | None = None,
-    ) -> int: ...
-
-
-class Published(NamedTuple):
-    """Where a claim's messages went: the broker, or this worker's own consumer."""
-
-    broker: int
-    local: int
-
-
 class Publisher:
     def __init__(
         self, app: Celery, task: Any, name: Namer = family_command, row_task: Any = None
@@ -79,7 +57,6 @@ class Publisher:
         self.task = task  # a batched message's (wiring.py: the two acknowledgement rules)
         self.row_task = task if row_task is None else row_task  # a one-row message's
         self.name = name
-        self.local: LocalSink | None = None  # this worker's consumer (handoff.py), if any
         # Celery's message per task name, built once per process: its origin names the pid
         self._templates: dict[str, tuple[dict[str, Any], dict[str, Any], Any]] = {}
         self._templates_pid = 0
@@ -91,14 +68,10 @@ class Publisher:
         queue: str,
         size: int = 1,
         database: str | None = None,
-        feed: FeedBasis | None = None,
-    ) -> Published:
-        """One message per row, or per ``size`` rows; the first ones to this worker's own
-        consumer when it has room for them (handoff.py), the rest on one producer, one
-        pipeline. ``database``: the name the messages carry (None for the first database,
-        whose messages carry none; databases.py). ``feed`` (a family pinned to one row per
-        message, Claimer.feed_basis): this worker may take more than its prefetch room
-        (policy.local_feed)."""
+    ) -> int:
+        """One message per row, or per ``size`` rows, on one producer, one pipeline; returns
+        how many. ``database``: the name the messages carry (None for the first database,
+        whose messages carry none; databases.py)."""
         messages: Outgoing = []
         step = max(1, size)
         head: tuple[Any, ...] = () if database is None else (database,)
@@ -116,36 +89,10 @@ class Publisher:
             with self.app.producer_or_acquire() as producer, _batched(producer, len(messages)):
                 for args, options in messages:
                     self._task_for(args).apply_async(args, producer=producer, **options)
-            return Published(len(messages), 0)
+            return len(messages)
         wires = self.wires(queue, messages)
-        taken = self.local.take(queue, wires, feed=feed) if self.local is not None else 0
-        if wires[taken:]:
-            self.send(queue, wires[taken:])
-        return Published(len(wires) - taken, taken)
-
-    def hand_unclaimed(
-        self, family: Family, rows: Sequence[Claimed], queue: str, database: str | None = None
-    ) -> int:
-        """Give this worker's consumer one-row messages of rows not claimed yet, which their
-        starts claim (``claim_at_start``): the first of them, as many as it has pool
-        processes free; returns how many. Never to the broker: such a message is only worth
-        its hop to an idle process here (one a broker queue kept waiting would find its row
-        claimed by then)."""
-        if self.local is None or not rows or self._needs_celery_path(queue):
-            return 0
-        head: tuple[Any, ...] = () if database is None else (database,)
-        messages: Outgoing = [
-            (
-                (*head, row.id, str(row.token)),
-                {
-                    **message_options(family, row, queue, self.name, database),
-                    "kwargs": {CLAIM_AT_START: True},
-                    "kwargsrepr": repr({CLAIM_AT_START: True}),
-                },
-            )
-            for row in rows
-        ]
-        return self.local.take(queue, self.wires(queue, messages), idle=True)
+        self.send(queue, wires)
+        return len(wires)
 
     def send(self, queue: str, wires: Sequence[Wire]) -> None:
         """Put messages on the broker: one producer, one pipeline."""

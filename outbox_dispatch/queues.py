@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kombu.transport.virtual import Transport as VirtualTransport
+
 from .logs import event
 from .policy import Family
 
@@ -52,11 +54,11 @@ class QueueProbe:
         try:
             with self.app.pool.acquire(block=True, timeout=2) as conn:
                 conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=1)
-                channel = conn.default_channel
-                if hasattr(channel, "_size"):  # Redis: every priority list, one round trip
-                    return int(channel._size(queue))
-                with conn.channel() as probe:  # AMQP closes a channel on a missing queue
-                    return int(probe.queue_declare(queue, passive=True).message_count)
+                # Redis keeps no queue objects (a declare creates nothing, and a passive one
+                # misses prefixed keys); AMQP closes a channel on a missing queue
+                passive = not isinstance(conn.transport, VirtualTransport)
+                with conn.channel() as probe:
+                    return int(probe.queue_declare(queue, passive=passive).message_count)
         except Exception as exc:
             event(log, logging.DEBUG, "queue_size_failed", repr(exc), family=family.name)
             return None

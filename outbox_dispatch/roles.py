@@ -81,7 +81,7 @@ END $$""",
         f" GRANT {TABLE_PRIVILEGES} ON TABLES TO {run}",
         f"ALTER DEFAULT PRIVILEGES FOR ROLE {mig} IN SCHEMA {s}"
         f" GRANT {SEQUENCE_PRIVILEGES} ON SEQUENCES TO {run}",
-        # the schema's functions (outbox_claim_start), where PUBLIC may not execute them
+        # the schema's functions, where PUBLIC may not execute them
         f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {s} TO {run}",
         f"ALTER DEFAULT PRIVILEGES FOR ROLE {mig} IN SCHEMA {s}"
         f" GRANT EXECUTE ON FUNCTIONS TO {run}",

@@ -28,7 +28,7 @@ from .errors import (
     StatementCancelled,
 )
 from .health import PROBE_CONNECT_TIMEOUT, Breaker, liveness_options
-from .logs import event, mask_dsn
+from .logs import mask_dsn
 from .policy import Candidate, Family, LostAttempt, starts_flushed
 from .pool import Conn, Pools
 from .rows import (
@@ -130,7 +130,6 @@ class Store:
             pool_size=pool_size,
             handler_pool_size=handler_pool_size,
             main_options=liveness_options(database_url) if breaker is not None else None,
-            warm=self._warm_start,
         )
 
     @property
@@ -299,9 +298,8 @@ class Store:
 
     # -- claim ----------------------------------------------------------------------------
 
-    def claim(self, family: Family, batch: int, skip: Sequence[int] = ()) -> ClaimResult:
-        """Lease up to ``batch`` due rows of a family, within its free in-flight capacity,
-        leaving the ``skip`` rows alone (handed over unclaimed, handed.py).
+    def claim(self, family: Family, batch: int) -> ClaimResult:
+        """Lease up to ``batch`` due rows of a family, within its free in-flight capacity.
 
         One round trip: begin, the family lock, count-pick-lease and commit, pipelined."""
         with (
@@ -310,7 +308,7 @@ class Store:
         ):
             with pipelined_transaction(conn):
                 self._lock_family(conn, family)
-                leased = self._lease(conn, family, None, [], batch, skip)
+                leased = self._lease(conn, family, None, [], batch)
             rows = leased.fetchall()
         limit = int(rows[0][0]) if rows and rows[0][0] is not None else 0
         return _claim_result(family.name, [r[1:] for r in rows if r[1] is not None], limit)
@@ -322,7 +320,6 @@ class Store:
         ids: list[int] | None,
         tokens: list[UUID],
         batch: int = 0,
-        skip: Sequence[int] = (),
     ) -> Any:
         """The lease statement: for rows the claim holds locked (``ids``), or for the due rows
         it picks itself (``ids`` None, up to ``batch`` within the in-flight limit); its cursor
@@ -340,7 +337,6 @@ class Store:
             "tokens": tokens,
             "batch": batch,
             "max_in_flight": family.max_in_flight,
-            "skip": list(skip),
         }
         return conn.execute(self.q["claim_lease"], params)
 
@@ -354,24 +350,6 @@ class Store:
                 "flushed_starts": self.starts_flushed(family),
             },
         )
-
-    def _warm_start(self, conn: Conn) -> None:
-        """Compile and plan the start that claims in a new main-pool session, off the path of
-        a delivery (deliver_claim_begin_warm). Before the schema is migrated there is nothing
-        to warm: the session is kept as it is, unless the connection itself failed."""
-        params = {"lock_name": f"{self.schema}.warm-up", "channel": self.channel}
-        try:
-            conn.execute(self.q["deliver_claim_begin_warm"], params)
-        except psycopg.Error as exc:
-            if conn.broken:
-                raise
-            event(
-                log,
-                logging.DEBUG,
-                "start_not_warmed",
-                f"a new session could not warm the start that claims ({mask_dsn(str(exc))}); "
-                "its first start plans it instead",
-            )
 
     def _claim_lock(self, family: Family) -> str:
         """The family's claim lock: claims and starts that claim serialize on it."""
@@ -537,26 +515,6 @@ class Store:
         assert row is not None  # a left join of one row: always one row
         settled = {int(i) for i in row[11:13] if i is not None}
         return _started(row_id, token, row if row[0] is not None else None), settled
-
-    def claim_start(
-        self, family: Family, row_id: int, token: UUID, run_lease: float
-    ) -> Started | None:
-        """Claim and start a row nobody holds, under ``token``: one round trip
-        (deliver_claim_begin), which takes the family's claim lock and waits for its flush.
-        Returns the started row; None when it is held, gone, not due, or the family has no
-        room (a NOTIFY then asks the listener for a claim)."""
-        params = {
-            "id": row_id,
-            "token": token,
-            "run_lease": run_lease,
-            "family": family.name,
-            "max_in_flight": family.max_in_flight,
-            "lock_name": self._claim_lock(family),
-            "channel": self.channel,
-        }
-        with translated("delivery start"), self._starting() as conn:
-            row = conn.execute(self.q["deliver_claim_begin"], params).fetchone()
-        return _started(row_id, token, row)
 
     def settle_many(self, kind: SettleKind, pairs: Sequence[tuple[int, UUID]]) -> set[int]:
         """Settle delivered rows (``delete`` or ``done``) handed to the deferred settles;

@@ -121,18 +121,26 @@ class OutboxTask(Task):  # type: ignore[misc]
         """Celery's retry; during an outbox delivery, a Retry returned rather than raised
         (``throw=False``) is kept, so that the row is retried when the task returns, and an
         error raised because max_retries ran out is marked so, for the parked row's reason."""
-        delivering = getattr(self.request, "outbox", None) is not None
+        flags = getattr(self.request, "outbox_flags", None)
         try:
             ret = super().retry(*args, **kwargs)
         except Retry:
             raise
         except Exception:
-            if delivering:
-                self.request.outbox_retries_out = True
+            if flags is not None:
+                flags["retries_out"] = True
             raise
-        if delivering:
-            self.request.outbox_retry = ret
+        if flags is not None:
+            flags["retry"] = ret
         return ret
+
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """A call of the task inside an outbox delivery (``run_task``) keeps the delivery's
+        request (its id, retries, ``outbox``) under the call's own, as Celery >= 5.5 does."""
+        outer = self.request_stack.top
+        if not args and outer is not None and getattr(outer, "outbox", None) is not None:
+            kwargs = {**outer.__dict__, **kwargs}
+        super().push_request(*args, **kwargs)
 
 
 def _transaction(dispatcher: Dispatcher) -> object | None:
@@ -257,8 +265,6 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
     from ``queue_of``). The request is marked eager so
     that ``self.retry()`` raises its Retry rather than publishing a message: the row is
     retried instead, after the delay the Retry asked for."""
-    from celery._state import _task_stack  # what celery.current_task reads
-
     try:
         call = decode_call(payload)
     except ValueError as exc:
@@ -277,6 +283,7 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
         )
         return
     call_id = call.task_id or f"outbox:{ctx.row_id}"  # what the call returned as .id
+    flags: dict[str, Any] = {}  # what self.retry() left: shared by the requests pushed on ours
     task.push_request(
         id=call_id,
         root_id=call_id,
@@ -287,11 +294,14 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
         called_directly=False,
         delivery_info={"exchange": "", "routing_key": queue_of(ctx.family)},
         outbox=ctx,
+        outbox_flags=flags,
     )
-    _task_stack.push(task)
     try:
-        task.run(*call.args, **call.kwargs)
-        kept = getattr(task.request, "outbox_retry", None)  # self.retry(throw=False)
+        if isinstance(task, OutboxTask):
+            task(*call.args, **call.kwargs)  # Celery's own call: current_task is the task
+        else:
+            task.run(*call.args, **call.kwargs)
+        kept = flags.get("retry")  # self.retry(throw=False)
         if isinstance(kept, Retry):
             raise kept
     except Retry as retry:
@@ -311,7 +321,7 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
             raise  # told to stop (time limit, cancel, lost claim): the delivery decides
         # Celery marks such a call FAILURE and does not run it again; its row is parked, to
         # be retried or purged by hand, rather than lost
-        if getattr(task.request, "outbox_retries_out", False):
+        if flags.get("retries_out"):
             why = f"its max_retries ({task.max_retries}) ran out"
         else:
             why = (
@@ -319,7 +329,6 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
             )
         raise PermanentFailure(f"{type(exc).__name__}: {exc} ({why})") from exc
     finally:
-        _task_stack.pop()
         task.pop_request()
 
 

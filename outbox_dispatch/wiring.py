@@ -8,6 +8,7 @@ configuration before the user has loaded theirs; what must be merged with user s
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,12 +16,11 @@ from celery import Celery, Task
 from celery.exceptions import Ignore, Retry
 from kombu.entity import Queue
 
-from .publisher import CLAIM_AT_START
+from . import timings
 from .task_states import AttemptFailed, Parked, Report, TaskState, task_state
 
 if TYPE_CHECKING:
     from .delivery import Result
-    from .handoff import LocalHandoff
     from .listener import CommitListener
 
 DELIVER_TASK = "outbox.deliver"  # a batched message: acknowledged once it ends
@@ -68,7 +68,7 @@ def _soft_defaults(app: Celery) -> None:
 
 def register_tasks(
     app: Celery,
-    deliver: Callable[[tuple[Any, ...], str | None, bool], Sequence[Result]],
+    deliver: Callable[[tuple[Any, ...], str | None, float | None], Sequence[Result]],
     claim: Callable[[list[str] | None, str | None], object],
 ) -> tuple[Any, Any, Any]:
     """The delivery tasks take raw args so a garbage message reaches our check, not a
@@ -93,9 +93,9 @@ def register_tasks(
     }
 
     def run(self: Any, *args: Any, **kwargs: Any) -> str:
+        stop_at = soft_limit_at(self, time.monotonic())
         info = getattr(self.request, "delivery_info", None) or {}
-        claim = kwargs.get(CLAIM_AT_START) is True  # the listener's unclaimed hand-off
-        return report(self, task_state(deliver(args, info.get("routing_key"), claim)))
+        return report(self, task_state(deliver(args, info.get("routing_key"), stop_at)))
 
     deliver_task = app.task(
         name=DELIVER_TASK, acks_late=True, reject_on_worker_lost=True, **common
@@ -111,6 +111,18 @@ def register_tasks(
 
     quiet_celery_logs()
     return deliver_task, row_task, claim_task
+
+
+def soft_limit_at(task: Any, accepted: float) -> float | None:
+    """When Celery's soft time limit for the running message fires (monotonic), from the
+    clock Celery starts it by: the message's own limit, else the task's, else the app's."""
+    limits = getattr(task.request, "timelimit", None) or (None, None)
+    soft = limits[1] if isinstance(limits, list | tuple) and len(limits) == 2 else None
+    if soft is None:
+        soft = task.soft_time_limit or task.app.conf.task_soft_time_limit
+    if isinstance(soft, bool) or not isinstance(soft, int | float) or soft <= 0:
+        return None
+    return accepted + soft - timings.SOFT_LIMIT_MARGIN
 
 
 def report(task: Any, state: TaskState) -> str:
@@ -270,23 +282,3 @@ def install_listener_step(app: Any, make: Callable[[], list[CommitListener]]) ->
                 listener.stop()
 
     app.steps["worker"].add(OutboxCommitListener)
-
-
-def install_handoff_step(app: Any, handoff: LocalHandoff) -> None:
-    """Attach the local hand-off (handoff.py) to each worker's Celery consumer while it runs:
-    after its task consumer starts (the strategies exist), detached before it stops."""
-    from celery import bootsteps
-
-    class OutboxLocalHandoff(bootsteps.StartStopStep):  # type: ignore[misc]
-        requires = ("celery.worker.consumer.tasks:Tasks",)
-
-        def start(self, c: Any) -> None:
-            handoff.attach(c)
-
-        def stop(self, c: Any) -> None:
-            handoff.detach()
-
-        def shutdown(self, c: Any) -> None:
-            handoff.detach()
-
-    app.steps["consumer"].add(OutboxLocalHandoff)

@@ -31,8 +31,7 @@ SELECT set_config('lock_timeout', '0', true),
 -- name: claim_lease
 -- A claim's lease, run under the family lock: the rows it holds locked (the capped claim's
 -- take, under its cap slots' tokens), or, given no ids, the family's due rows it picks here,
--- oldest first from the outbox_due index range, skipping rows another claimer holds (and the
--- ``skip`` rows: handed over unclaimed by this claimer's worker, handed.py), as many
+-- oldest first from the outbox_due index range, skipping rows another claimer holds, as many
 -- as the batch and the in-flight limit leave room for (live claims counted along the
 -- outbox_claimed index: a claim whose lease ran out is not in flight, started or not, since
 -- its holder is dead or stalled and the row is due again). Count, pick and lease are one statement so that a claim is one
@@ -66,7 +65,6 @@ WITH room AS MATERIALIZED (
         SELECT id FROM __SCHEMA__.outbox
         WHERE family = %(family)s AND due_at <= now()
           AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
-          AND id <> ALL(%(skip)s::bigint[])
         ORDER BY due_at
         LIMIT (SELECT n FROM room)
         FOR UPDATE SKIP LOCKED

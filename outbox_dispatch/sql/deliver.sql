@@ -49,24 +49,6 @@ FROM (SELECT set_config('synchronous_commit',
                ELSE current_setting('synchronous_commit') END, true)
       ) AS one LEFT JOIN started s ON true;
 
--- name: deliver_claim_begin
--- A start that claims: a row a commit's NOTIFY named (enqueue_insert), handed unclaimed by
--- the listener to an idle pool process of its own worker, is claimed and started here, in
--- one round trip after the hop, where a claim, the hop and a start take three. The function
--- (migration 0008) takes the family's claim lock, counts the live claims after it, starts
--- the row if there is room, and waits for its WAL flush; it returns the started row or no
--- row, and asks the listener for a claim when the row is left for one.
-SELECT * FROM __SCHEMA__.outbox_claim_start(%(id)s, %(token)s, %(run_lease)s::float8,
-    %(family)s, %(max_in_flight)s::int, %(lock_name)s, %(channel)s, now());
-
--- name: deliver_claim_begin_warm
--- A new main-pool session calls the start's function once on no row (id 0, a family named by
--- no row), so that the function is compiled and its statements planned (migration 0010) when
--- the pool opens the connection, not at the first row a commit hands to the process: 4 ms.
--- It takes only a lock of its own name and writes nothing.
-SELECT count(*) FROM __SCHEMA__.outbox_claim_start(0, NULL::uuid, 0::float8, '', 1,
-    %(lock_name)s, %(channel)s, now());
-
 -- name: deliver_explain_stale
 SELECT claim_token = %(token)s AS same_token, started_at IS NOT NULL AS started,
        due_at <= now() AS lapsed, claimed_at < pg_postmaster_start_time() AS before_restart

@@ -3,14 +3,9 @@
 -- every time is the database clock (now()), never a client's.
 
 -- name: enqueue_insert
--- A row due now also sends a NOTIFY, which Postgres delivers at commit (never for a rolled-back
--- transaction, once per family per transaction): the worker's listener claims at once. The
--- transaction's first such row names itself: a JSON array [family, id, command, actor] that
--- lets the listener hand the row, unclaimed, to an idle pool process of its worker, which
--- claims and starts it in one statement (deliver_claim_begin). The rows after it send the
--- family's name (a bulk insert stays one notification), as does a row whose names would make
--- a long payload. Which is first is kept in a setting local to the transaction (set_config's
--- third argument), which a rolled-back savepoint undoes with its NOTIFY.
+-- A row due now also sends a NOTIFY with its family's name, which Postgres delivers at commit
+-- (never for a rolled-back transaction, once per family per transaction): the worker's
+-- listener claims at once.
 WITH ins AS (
     INSERT INTO __SCHEMA__.outbox
         (family, command, actor, payload, dedupe_key, due_at, trace_context)
@@ -21,14 +16,7 @@ WITH ins AS (
     RETURNING id
 )
 SELECT ins.id FROM ins
-LEFT JOIN LATERAL (SELECT pg_notify(%(channel)s, CASE
-        WHEN coalesce(current_setting('outbox_dispatch.woke', true), '') <> ''
-            THEN %(family)s
-        WHEN set_config('outbox_dispatch.woke', 'y', true) = 'y'
-             AND octet_length(%(command)s) + coalesce(octet_length(%(actor)s), 0) < 1000
-            THEN json_build_array(%(family)s, ins.id, %(command)s, %(actor)s)::text
-        ELSE %(family)s END)
-    WHERE %(wake)s) w ON true;
+LEFT JOIN LATERAL (SELECT pg_notify(%(channel)s, %(family)s) WHERE %(wake)s) w ON true;
 
 -- name: enqueue_find_dedupe
 SELECT id FROM __SCHEMA__.outbox WHERE dedupe_key = %(dedupe_key)s;

@@ -1,6 +1,5 @@
 """A worker app whose handler kills its own pool process on one row of a batch (kill -9), for
-the mid-batch kill tests (a message from the broker, and one handed off by the worker's own
-commit listener)."""
+the mid-batch kill tests."""
 
 from __future__ import annotations
 
@@ -15,13 +14,11 @@ from tests.acceptance.envapp import SCHEMA, make_app
 # one consumer: a claim of 8 rows packs them 2 to a message
 app, dispatcher = make_app("acceptance-batch", claim_interval=0.3, consumers=1)
 dispatcher.family("batchkill", lease=10, heartbeat_timeout=1)
-dispatcher.family("handkill", lease=60, heartbeat_timeout=1)  # a lease no test waits for
-# one row per message, short handlers: a claim feeds the worker past its prefetch (handoff.py)
+# one row per message, short handlers
 dispatcher.family("feedkill", batch=1, lease=5, heartbeat_timeout=1, max_in_flight=40)
 
 
 @dispatcher.handler("acc.batchkill", family="batchkill")
-@dispatcher.handler("acc.handkill", family="handkill")
 @dispatcher.handler("acc.feedkill", family="feedkill")
 def batchkill(ctx: Context, payload: Any) -> None:
     with dispatcher.store.connection() as conn:

@@ -21,7 +21,6 @@ from celery.contrib.testing.worker import start_worker
 from celery.signals import before_task_publish
 
 from outbox_dispatch import Backoff, Context, Dispatcher
-from outbox_dispatch.handoff import LocalHandoff
 from tests.conftest import drop_run
 
 from .databases_support import make_dispatcher, shard_urls  # noqa: F401 (several databases)
@@ -72,7 +71,7 @@ def dispatcher(
     # declared before the session's worker starts, so that it consumes their queues
     d.family("plain")  # nothing set: batches sized per claim
     d.family("cappedbatch", per_actor=2, lease=30)
-    d.family("single", batch=1)  # one row per message: the local feed (handoff.py)
+    d.family("single", batch=1)  # one row per message
     yield d
     d.close()
 
@@ -143,48 +142,6 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
-
-
-def in_loop(worker: Any, fn: Callable[[], None]) -> None:
-    """Run ``fn`` in the worker's event loop thread, as its consumer's bootsteps run."""
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            fn()
-        finally:
-            done.set()
-
-    worker.consumer.hub.call_soon(run)
-    assert done.wait(10), "the worker's event loop never ran it"
-
-
-@pytest.fixture
-def handoff(dispatcher: Dispatcher, worker: Any) -> Iterator[tuple[LocalHandoff, list[int]]]:
-    """A hand-off attached to the session worker's consumer for one test (the session's
-    dispatcher does not listen, so it has none); ``sent`` counts what went to the broker."""
-    sent: list[int] = []
-
-    def republish(queue: str, wires: Any) -> None:
-        sent.append(len(wires))
-        dispatcher.publisher.send(queue, wires)
-
-    h = LocalHandoff(republish)
-    in_loop(worker, lambda: h.attach(worker.consumer))
-    send = dispatcher.publisher.send
-
-    def counted(queue: str, wires: Any) -> None:  # observed, not replaced
-        sent.append(len(wires))
-        send(queue, wires)
-
-    dispatcher.publisher.send = counted  # type: ignore[method-assign]
-    dispatcher.publisher.local = h
-    try:
-        yield h, sent
-    finally:
-        dispatcher.publisher.local = None
-        del dispatcher.publisher.send
-        in_loop(worker, h.detach)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -206,62 +205,11 @@ def _claim_plan(store: Store, conn: psycopg.Connection[Any], limit: int) -> str:
         "family": "intent",
         "ids": None,
         "tokens": [],
-        "skip": [],
         "batch": limit,
         "max_in_flight": 10_000,
     }
     plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + store.q["claim_lease"], params)
     return "\n".join(str(r[0]) for r in plan.fetchall())
-
-
-def test_a_start_that_claims_reads_its_row_and_counts_along_the_claimed_index(
-    database_url: str, big_schema: str
-) -> None:
-    """deliver_claim_begin (the function outbox_claim_start: auto_explain shows its nested
-    statements' plans) finds its row by primary key and updates that row version, and its
-    in-flight count reads the outbox_claimed index range, not the 400k rows; and its plans
-    are generic, made for the function's parameters, from the session's first calls."""
-    store = Store(database_url, big_schema, pool_size=1)
-    nested: list[str] = []
-    try:
-        with store.connection() as conn, conn.transaction():
-            conn.add_notice_handler(lambda d: nested.append(d.message_primary or ""))
-            conn.execute("LOAD 'auto_explain'")
-            for key, value in (
-                ("log_min_duration", "0"),
-                ("log_nested_statements", "on"),
-                ("log_analyze", "on"),
-                ("log_level", "notice"),
-            ):
-                conn.execute(f"SET LOCAL auto_explain.{key} = '{value}'")
-            found = conn.execute(
-                f'SELECT id FROM "{big_schema}".outbox WHERE parked_at IS NULL'
-                " AND due_at <= now() LIMIT 1"
-            ).fetchone()
-            assert found is not None
-            params = {
-                "id": found[0],
-                "token": uuid.uuid4(),
-                "run_lease": 30.0,
-                "family": "intent",
-                "max_in_flight": 10_000,
-                "lock_name": "test.plans",
-                "channel": "test_plans",
-            }
-            started = conn.execute(store.q["deliver_claim_begin"], params).fetchall()
-            raise psycopg.Rollback()  # the start claimed the row: undo it
-    finally:
-        store.close()
-    assert len(started) == 1 and started[0][0] == "intent", started
-    (lookup,) = [n for n in nested if "LockRows" in n]  # the row by its id, locked (0009)
-    assert "Seq Scan" not in lookup and "outbox_pkey" in lookup, lookup
-    # planned once for any values (0010), not for this call's: a session's first starts
-    # each planned their statements for their own values
-    assert "(id = $1)" in lookup, lookup
-    (update,) = [n for n in nested if "Update on outbox" in n]
-    assert "Tid Scan" in update and "Seq Scan" not in update, update  # that row version
-    (count,) = [n for n in nested if "count(*)" in n and "Update on" not in n]
-    assert "outbox_claimed" in count and "Seq Scan" not in count, count
 
 
 def test_claim_reads_an_index_range_not_the_table(database_url: str, big_schema: str) -> None:
@@ -408,23 +356,6 @@ def test_a_claim_counts_in_flight_after_its_lock_under_a_repeatable_read_default
         dispatcher, database_url, name, lambda store, family, _: store.claim(family, 100)
     )
     assert result.claimed == [] and result.limit == 0
-
-
-def test_a_start_that_claims_counts_in_flight_after_its_lock_under_a_repeatable_read_default(
-    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
-) -> None:
-    """The same for a start that claims (outbox_claim_start, a function whose statements each
-    take a snapshot only under READ COMMITTED, and one statement outside a transaction block):
-    it waits for the family lock while a claim fills the family's in-flight limit, then finds
-    no room and leaves its row as it was."""
-    name = "rs_" + commands().replace(".", "_")
-    results = _race_under_repeatable_read(
-        dispatcher,
-        database_url,
-        name,
-        lambda store, family, last: store.claim_start(family, last, uuid.uuid4(), 30),
-    )
-    assert results == [None], "the start took a row past max_in_flight"
 
 
 def _wait_for_lock_wait(database_url: str) -> None:

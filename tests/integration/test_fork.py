@@ -11,9 +11,7 @@ import threading
 import time
 
 from outbox_dispatch import Dispatcher, metrics
-from outbox_dispatch.handoff import LocalHandoff
 from outbox_dispatch.health import Breaker
-from outbox_dispatch.publisher import Wire
 from outbox_dispatch.store import Store
 
 FORK = multiprocessing.get_context("fork")
@@ -96,43 +94,3 @@ def test_a_pool_process_connects_and_makes_its_metrics_as_it_starts_not_at_its_f
     assert ready.is_set(), "the pool process had no open connection before its first delivery"
     # importing prometheus_client took the first delivery of a new pool process 50-60 ms
     assert metrics_made.is_set(), "the pool process made its metrics at its first delivery"
-
-
-def _child_claims_through_the_handoff(
-    handoff: LocalHandoff, done: multiprocessing.synchronize.Event
-) -> None:
-    wire = Wire("t", "[]", {}, {})
-    if handoff.take("outbox.quick", [wire]) == 0:  # a pool process hands nothing off
-        done.set()
-
-
-def test_a_child_forked_while_the_listener_holds_the_handoff_lock_publishes_as_usual() -> None:
-    """A claim task in a pool process publishes through the same Publisher, whose hand-off
-    lock a listener thread of the worker may hold at the fork: the child must not wait on
-    it, and hands nothing off (it has no consumer of its own)."""
-    handoff = LocalHandoff(lambda queue, wires: None)
-    handoff._pid = os.getpid()  # attached in this process, as in a worker's main process
-    done = FORK.Event()
-    holding, release = threading.Event(), threading.Event()
-
-    def listener_taking() -> None:
-        with handoff._lock:
-            holding.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=listener_taking)
-    thread.start()
-    try:
-        assert holding.wait(5)
-        child = FORK.Process(target=_child_claims_through_the_handoff, args=(handoff, done))
-        child.start()
-        child.join(10)
-        hung = child.is_alive()
-        if hung:
-            child.kill()
-            child.join()
-    finally:
-        release.set()
-        thread.join(5)
-    assert not hung, "the forked child hung on the hand-off lock its parent's thread held"
-    assert done.is_set() and child.exitcode == 0

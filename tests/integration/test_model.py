@@ -960,67 +960,6 @@ class ModelMachine(RuleBasedStateMachine):
             else:
                 self._consume(msg, fate)
 
-    @rule(
-        target=rows,
-        family=st.sampled_from(("focus", "focus", PLAIN)),
-        behavior=st.sampled_from(BEHAVIORS),
-    )
-    def commit_named(self, family: str, behavior: str) -> int:
-        """A producer commits a row due now, its NOTIFY names it, and the listener hands it
-        over unclaimed at once (see claim_at_start)."""
-        rid = self._enqueue(self.focus if family == "focus" else family, None, 0, None)
-        self.claim_at_start(rid, behavior)
-        return rid
-
-    @rule(rid=rows, behavior=st.sampled_from(BEHAVIORS))
-    def claim_at_start(self, rid: int, behavior: str) -> None:
-        """A commit's NOTIFY named the row and the listener handed it, unclaimed, to an idle
-        process, whose start claims it (deliver_claim_begin): a row no one holds, due, of a
-        family with no caps and no order, with room in flight, runs as a new attempt; any
-        other is left exactly as it was. The message may come at any time (a copy the
-        broker got back at a shutdown comes late)."""
-        before = self.snap()
-        b = before.rows.get(rid)
-        family = self.focus if b is None else b.family
-        fam = FAMILIES[family]
-        start = self.predict_claim_at_start(before, b)
-        msg = Msg(rid, uuid.uuid4(), family, None if b is None else b.actor)
-        outcome, crashed, calls = self._run_delivery(msg, behavior, claim=True)
-        after = self.snap()
-        if outcome is Outcome.STALE:
-            assert start in ("stale", None), f"{msg}: not claimed at its start, predicted {start}"
-            assert not calls and after.rows.get(rid) == b, (
-                f"{msg}: refused, yet changed its row:\n{b}\n{after.rows.get(rid)}"
-            )
-            self.stale.add((rid, msg.token))
-            return
-        assert start in ("start", None), f"{msg}: claimed at its start, predicted {start}"
-        assert b is not None and not fam.ordered and fam.per_actor is None, b
-        self.stale |= {(rid, t) for t in self.tokens[rid]}
-        self.tokens[rid].add(msg.token)
-        # judged as a delivery of the row as a claim would have left it
-        claimed = replace(b, attempts=b.attempts + 1, token=msg.token, claimed=True)
-        as_claimed = replace(before, rows={**before.rows, rid: claimed})
-        self._judge(msg, behavior, "start", as_claimed, after, calls, outcome, crashed)
-        self.spent.append(msg)
-
-    def predict_claim_at_start(self, snap: Snapshot, b: Row | None) -> str | None:
-        """ "start", "stale", or None (a lease or due time too close to call)."""
-        if b is None:
-            return "stale"
-        fam = FAMILIES[b.family]
-        if fam.ordered or fam.per_actor is not None or b.token is not None or not b.live:
-            return "stale"
-        if b.blocked or b.waiting or b.left is None or b.left > AMBIG:
-            return "stale"
-        sure = len(live_claims(snap, b.family, AMBIG))
-        maybe = len(live_claims(snap, b.family, 0))
-        if sure >= fam.max_in_flight:
-            return "stale"
-        if b.left > 0 or maybe >= fam.max_in_flight:
-            return None
-        return "start"
-
     def _consume(self, msg: Msg, fate: str) -> None:
         if fate in BEHAVIORS:
             self._deliver(msg, fate)
@@ -1038,15 +977,13 @@ class ModelMachine(RuleBasedStateMachine):
         self._judge(msg, behavior, start, before, self.snap(), calls, outcome, crashed)
         return outcome
 
-    def _run_delivery(
-        self, msg: Msg, behavior: str, *, claim: bool = False
-    ) -> tuple[Outcome | None, bool, list[Call]]:
+    def _run_delivery(self, msg: Msg, behavior: str) -> tuple[Outcome | None, bool, list[Call]]:
         """deliver() of a message whose handler behaves as told: its outcome (None when the
         worker died in the handler), whether it died, and the handler calls it made."""
         self.current, self.behavior, self.resuming = msg, behavior, False
         n_calls = len(self.calls)
         try:
-            result = self.d.delivery.deliver(msg.id, msg.token, family_hint=msg.family, claim=claim)
+            result = self.d.delivery.deliver(msg.id, msg.token, family_hint=msg.family)
         except WorkerDied:
             return None, True, self.calls[n_calls:]
         except Violation as v:
@@ -1641,25 +1578,6 @@ def test_replay_a_lost_start_keeps_its_renewed_slot(model_env: Env) -> None:
     state.consistent()
     state.claim(family="focus", fates=["ok"])  # claimed again, or waiting for the slot
     state.consistent()
-    state.teardown()
-
-
-# The start that claims became a PL/pgSQL function (migration 0008) that read its own now()
-# where every other statement reads the store's clock: after time moved (tests move it; in
-# production the two are one), a row the NOTIFY named, due by the store's clock, was not yet
-# due by the function's, and its start refused it. The function takes the caller's now().
-
-
-def test_replay_a_start_that_claims_reads_the_callers_clock(model_env: Env) -> None:
-    """test_model's shrunk failing example, replayed step by step as hypothesis printed it."""
-    state = ModelMachine()
-    state.seed(focus=PLAIN, actors=["a"], then=[])
-    state.consistent()
-    state.world(op="+1")
-    state.consistent()
-    state.world(op="+1")
-    state.consistent()
-    state.commit_named(behavior="ok", family="focus")  # due now by the store's clock: starts
     state.teardown()
 
 

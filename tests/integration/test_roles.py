@@ -183,15 +183,6 @@ def _exercise_runtime(d: Dispatcher, url: str, schema: str) -> None:
     with psycopg.connect(url) as conn, conn.transaction():
         assert d.cancel(conn, gone, reason="not needed", by="roles test").cancelled == [gone]
 
-    # a start that claims (a row a commit named, handed over unclaimed): the schema's function
-    with psycopg.connect(url) as conn, conn.transaction():
-        named = d.enqueue(conn, "r.ok", {"n": 3})
-    (started,) = d.database().delivery.deliver_message(
-        (named, str(uuid.uuid4())), family_hint="plain", claim=True
-    )
-    assert started.outcome is Outcome.DELIVERED and ("r.ok", named) in ran
-    ran.clear()
-
     assert d.claimer.rebuild_caps() == 0  # the caps rebuild reads live leases
     report = d.drain(timeout=20)  # claims (plain, capped, ordered), begins, settles
     assert report.delivered == 6 and report.count(Outcome.PARKED) == 1

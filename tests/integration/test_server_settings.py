@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -122,7 +121,6 @@ def test_a_server_that_ends_idle_sessions_ends_none_of_ours(
         listener = d.commit_listener()
         listener.sweep = None
         listener.claim = woken
-        listener.hand = None
         listener.start()
         try:
             assert listener.leading.wait(10)
@@ -254,36 +252,6 @@ def test_a_claim_pass_goes_on_past_a_family_whose_claim_the_server_cancels(
         # pass claims a family that filled its batch once more: the last row)
         assert [run(), run()] == [{"held": 4}, {"held": 9}]
         assert sorted(r.id for r in published[1:]) == held_ids
-
-
-def test_a_start_that_claims_cancelled_by_a_lock_timeout_leaves_its_row_for_the_next_claim(
-    database_url: str, redis_url: str
-) -> None:
-    """A start that claims waits for its family's claim lock inside migration 0008's function,
-    where a server's ``lock_timeout`` still applies: cancelled, it drops its message as not
-    claimed at its start (no error, no attempt counted), and the next claim delivers the row."""
-    with dispatcher_under("-c lock_timeout=100", database_url, redis_url, "start") as (d, url):
-        ran = _quick_family(d, "t.start", lease=5)
-        with psycopg.connect(url) as conn, conn.transaction():
-            row_id = d.enqueue(conn, "t.start", {})
-        holder = _hold_claim_lock(database_url, f"{d.schema}.claim.quick", 0.4)
-        try:
-            results = d.database().delivery.deliver_message(
-                (row_id, str(uuid.uuid4())), family_hint="quick", claim=True
-            )
-        finally:
-            holder.join()
-        assert [r.outcome for r in results] == [Outcome.STALE] and ran == []
-        with psycopg.connect(url) as conn:
-            row = conn.execute(
-                f'SELECT attempts, claim_token, started_at FROM "{d.schema}".outbox WHERE id = %s',
-                (row_id,),
-            ).fetchone()
-        assert row == (0, None, None)
-        claimed = d.claimer.claim_family(d.families["quick"]).claimed
-        assert [c.id for c in claimed] == [row_id]
-        assert d.delivery.deliver(row_id, claimed[0].token).outcome is Outcome.DELIVERED
-        assert ran == [row_id]
 
 
 def test_a_start_the_server_cancels_costs_its_batch_only_that_row(
