@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from . import timings
 from .caps_pipelined import PipelinedSlotWrites, Wake
 from .errors import ConfigurationError, OutboxError
 from .forksafe import ForkSafeLock
@@ -39,12 +40,6 @@ SCRIPTS = {  # lua/: one script per step a slot goes through
 # microseconds a slot).
 SLOTS_PER_RUN = 100
 
-# Seconds between a family's slot wakes (caps_release.lua): a freed slot's waiting row waits
-# half of it on average before a claim lets it in. A claim holds its rows' slots while their
-# messages queue, so under a backlog an actor's slots go round claim, queue, handler and this
-# wait: at 50 actors capped at 4, 100 ms drained 1,540-1,650 rows/s and 50 ms 1,810-1,960
-# (uncapped: 2,530). Slots freed inside a window are taken by the listener's trailing claim.
-WAKE_WINDOW = 0.05
 
 # A heartbeat's slot renewal gives up this soon (a partition must not hang the heartbeat
 # thread past the slot's end): the holder can then stop before its slot runs out.
@@ -76,7 +71,9 @@ def _script(name: str) -> str:
 class Caps:
     """Acquire, renew, release and restore cap slots. Connects lazily."""
 
-    def __init__(self, redis_url: str, prefix: str, *, wake_window: float = WAKE_WINDOW) -> None:
+    def __init__(
+        self, redis_url: str, prefix: str, *, wake_window: float = timings.WAKE_WINDOW
+    ) -> None:
         if any(c in prefix for c in "{} \n"):
             raise ConfigurationError(f"cap key prefix {prefix!r} must not contain braces or spaces")
         self.redis_url = redis_url
@@ -264,22 +261,6 @@ class Caps:
         them with ``wait``, else those already in. A failure is logged: the slots expire with
         their leases, the cap stays safe."""
         return self._writes.release(slots, database, wait=wait)
-
-    def hold_releases(self, slots: Sequence[Slot], database: str | None = None) -> None:
-        """``release_settled`` for rows whose handlers returned, kept unsent until a later
-        write carries them (``send_held_releases``, or a ``release_settled`` at the message's
-        end): no write of their own (caps_pipelined.py)."""
-        self._writes.hold(slots, database)
-
-    def send_held_releases(self, older_than: float = 0.0) -> set[Wake]:
-        """Write the held releases now, if the oldest was held ``older_than`` seconds ago
-        (a start); the claimers to wake, as (family, database)."""
-        return self._writes.send_held(older_than)
-
-    def send_held_releases_now(self, older_than: float) -> None:
-        """``send_held_releases`` for a thread that must not wait (the heartbeat's tick):
-        written only if that needs no waiting, answers left for the delivery path."""
-        self._writes.send_held_now(older_than)
 
     def release_lapsed(self, slots: Sequence[Slot], database: str | None = None) -> bool:
         """``release`` for the slots (of one family) of started attempts whose lease ran out

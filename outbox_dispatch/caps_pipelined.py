@@ -1,21 +1,11 @@
 """Cap slot releases on the delivery path, sent to Redis without waiting for the answer.
 
 A delivered row's slot is released when its handler returns (a cap counts running handlers;
-its settle follows, deferred). Waiting for the answer cost a capped row about 0.2 ms of its
-pool process on two busy cores, and the answer only says whether to wake the claimer.
-
-Releases are held back, unsent, and written together, one script run per family (each write
-cost a batched row a system call and a wake-up of Redis, 12 % of its delivery time): by a
-row's start once the oldest held one is ``HOLD_FOR`` old, by the heartbeat thread's next tick
-when a handler runs longer than that (never waiting: ``send_held_now``), and at the end of
-the message. A slot so goes back at
-most 20 ms after its handler returned, or a heartbeat tick while the next
-handler runs; holding a slot longer never lets an actor run more than its cap.
-
-Answers are read later: with the next write from the delivery path (what has arrived), or at
-the end of the message (everything). Redis runs commands in the order they arrive, so a
-write takes effect once Redis has read it, whoever reads the answer. An answer lost with the
-connection loses nothing: a slot not released expires with its lease.
+its settle follows, deferred). The answer only says whether to wake the claimer, so it is read
+later: with the next write (what has arrived), or at the end of the message (everything).
+Redis runs commands in the order they arrive, so a write takes effect once Redis has read it,
+whoever reads the answer. An answer lost with the connection loses nothing: a slot not
+released expires with its lease.
 """
 
 from __future__ import annotations
@@ -23,7 +13,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,13 +30,6 @@ log = logging.getLogger(__name__)
 
 # A claimer to wake: (family, database; None for the first)
 Wake = tuple[str, str | None]
-
-# Seconds the oldest held release may wait for a start to write it with the later ones. At
-# 100 actors capped at 4 over 5,000 no-op rows (AMD EPYC host, two runs of four rounds each),
-# 5 ms drained at 0.80 and 0.81 of the uncapped family, 20 ms at 0.84 and 0.85, 50 ms at 0.82
-# and 0.83: fewer writes (each a system call and a script run in Redis), and the later
-# return of a slot did not slow the drain (docs/benchmark.md, 2026-12-05's third round).
-HOLD_FOR = 0.02
 
 
 @dataclass(frozen=True)
@@ -67,8 +49,7 @@ def runs(slots: Sequence[tuple[Slot, str | None]]) -> list[Sent]:
 
 
 class PipelinedSlotWrites:
-    """One process's unwaited slot releases on one connection; thread-safe (the delivery
-    path, the heartbeat thread and the end of a message all write)."""
+    """One process's unwaited slot releases on one connection; thread-safe."""
 
     def __init__(self, caps: Caps) -> None:
         self.caps = caps
@@ -77,64 +58,15 @@ class PipelinedSlotWrites:
         self._conn: Any = None
         self._pid = 0
         self._sent: collections.deque[Sent] = collections.deque()  # answers not read yet
-        # releases not written yet, and since when the oldest waits
-        self._held: list[tuple[Slot, str | None]] = []
-        self._held_since = 0.0
-        self._held_pid = 0
-
-    def hold(self, slots: Sequence[Slot], database: str | None) -> None:
-        """Keep the releases of ``slots`` for a later write: see ``send_held``. No I/O but
-        a process's first, which opens its connection here, on the delivery path, so that the
-        heartbeat's tick (``send_held_now``) never has to."""
-        with self._lock:
-            if self._held_pid != os.getpid():
-                self._held.clear()  # a forked child never sends its parent's
-                self._held_pid = os.getpid()
-            if not self._held:
-                self._held_since = time.monotonic()
-            self._held += [(s, database) for s in slots]
-            if self._conn is None or self._pid != os.getpid():
-                try:
-                    self._connection()
-                except redis.RedisError:
-                    self._drop()  # the next write tries again, and says what failed
-
-    def send_held(self, older_than: float = 0.0) -> set[Wake]:
-        """Write the held releases, if the oldest was held ``older_than`` seconds ago; the
-        claimers to wake, as ``release``."""
-        return self._write([], False) if self._held_for(older_than) else set()
-
-    def send_held_now(self, older_than: float) -> None:
-        """The heartbeat thread's ``send_held``: it must never wait (the leases it renews
-        cannot), so it writes only when the lock is free and the connection open, and reads
-        no answer (a NOSCRIPT answer is run again the waited way). The answers, and the wakes
-        they ask for, are read by the next write or at the end of the message; until then the
-        claim pass finds the freed slots noted."""
-        if not self._held_for(older_than) or not self._lock.try_acquire():
-            return
-        try:
-            conn = self._conn
-            if conn is None or self._pid != os.getpid() or self._held_pid != os.getpid():
-                return
-            slots, self._held = self._held, []
-            try:
-                self._send(conn, slots)
-            except redis.RedisError as exc:
-                self._lost(exc)
-        finally:
-            self._lock.release()
 
     def release(self, slots: Sequence[Slot], database: str | None, *, wait: bool) -> set[Wake]:
-        """Send the releases of ``slots`` with those held; return the claimers to wake, as
-        (family, database) (releases of every database of the process ride together), from
-        the answers read now: all of them with ``wait``, else those already here."""
+        """Send the releases of ``slots``; return the claimers to wake, as (family, database)
+        (answers of every database of the process ride together), from the answers read now:
+        all of them with ``wait``, else those already here."""
         return self._write([(s, database) for s in slots], wait)
 
     def _write(self, slots: list[tuple[Slot, str | None]], wait: bool) -> set[Wake]:
         with self._lock:
-            if self._held and self._held_pid == os.getpid():
-                slots = self._held + slots
-            self._held = []
             if not slots and not self._sent:
                 return set()
             try:
@@ -145,10 +77,6 @@ class PipelinedSlotWrites:
             except redis.RedisError as exc:
                 self._lost(exc)
                 return set()
-
-    def _held_for(self, seconds: float) -> bool:
-        """Whether releases are held, the oldest for ``seconds`` or longer."""
-        return bool(self._held) and time.monotonic() - self._held_since >= seconds
 
     def _send(self, conn: Any, slots: list[tuple[Slot, str | None]]) -> None:
         """Write ``slots``' releases, a script run per (family, database); called with the

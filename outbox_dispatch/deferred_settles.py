@@ -4,20 +4,17 @@ A worker's per-row cost is two Postgres round trips, start and settle. Once a ha
 succeeded, its settle changes nothing the worker needs before it takes the next row, so the
 worker hands it here and moves on. The next delivery start in this process carries it: the
 statement that starts the next attempt first settles the row delivered before it (one row
-deleted, one kept as done; ``Store.start``), so that settle costs no round trip of its own,
-and it commits with the start, before the next handler runs. What no start carried within
-``WINDOW`` (the last row of a burst, low load) this module's thread settles, several rows per
-fenced statement. A settle that is refused (a
-cancel request arrived, or the claim was lost) goes back to the one-row path, which records
-it as cancelled or lost.
+deleted, one kept as done; ``Store.start``), and it commits with the start, before the next
+handler runs. What no start carried within ``timings.SETTLE_WINDOW`` (the last row of a
+burst, low load) this module's thread settles, several rows per fenced statement. A settle
+that is refused (a cancel request arrived, or the claim was lost) goes back to the one-row
+path, which records it as cancelled or lost.
 
 What this costs: a worker killed between a handler's success and the next start (or the
-thread's statement, at most ``WINDOW`` later) leaves the row started, so it runs again after
-its lease with ``maybe_applied`` set, the same outcome as a kill just before the settle. A
-row's cap slot does not wait for its settle here: a cap counts running handlers, so the slot
-goes back when the handler returns (delivery.py). Ordered rows (their settle promotes the
-actor's next row in the same transaction) and transactional handlers (their settle is their
-commit) are not deferred.
+thread's statement) leaves the row started, so it runs again after its lease with
+``maybe_applied`` set, the same outcome as a kill just before the settle. Ordered rows (their
+settle promotes the actor's next row in the same transaction) and transactional handlers
+(their settle is their commit) are not deferred.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ import time
 from collections.abc import Callable
 from uuid import UUID
 
+from . import timings
 from .errors import OutboxError
 from .forksafe import ForkSafeLock
 from .logs import event
@@ -38,9 +36,6 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 
-# Seconds a delivered row may wait for the next start to carry its settle before the thread
-# settles it.
-WINDOW = 0.02
 
 Pending = list[tuple[SettleKind, Started]]
 
@@ -91,7 +86,7 @@ class DeferredSettles:
     def take(self) -> Pending:
         """Everything pending (the thread, a flush). What it settles ends the flow the
         thread stays awake for (``_loop``): after a flush it goes idle, not waiting out a
-        WINDOW that a test may have made long."""
+        timings.SETTLE_WINDOW that a test may have made long."""
         with self._lock:
             batch, self._pending = self._pending, []
             self._first_add = 0.0
@@ -156,13 +151,15 @@ class DeferredSettles:
             try:
                 with self._lock:
                     wait = self._wait()
-                    # nothing pending, but a row came less than a WINDOW ago: rows are flowing,
+                    # nothing pending, but a row came less than a window ago: rows are flowing,
                     # and a start has just taken the last one while the next handler runs (most
                     # of a busy process's time). Idle then, the thread was woken again by
                     # nearly every row delivered (two switches of the GIL a row); it looks
-                    # again once the flow has paused for a WINDOW, and goes idle only then
+                    # again once the flow has paused for a window, and goes idle only then
                     quiet = wait is None and not self._after
-                    flowing = self._first_add + WINDOW - time.monotonic() if quiet else 0.0
+                    flowing = (
+                        self._first_add + timings.SETTLE_WINDOW - time.monotonic() if quiet else 0.0
+                    )
                     idle = quiet and flowing <= 0
                     self._idle = idle
                     self._wake.clear()
@@ -172,12 +169,12 @@ class DeferredSettles:
                     self._wake.wait(flowing)
                 elif wait is not None and wait > 0:
                     # a start may carry the row meanwhile; a flush wakes this early
-                    self._wake.wait(min(wait, WINDOW))
+                    self._wake.wait(min(wait, timings.SETTLE_WINDOW))
                 else:
                     self._settle_now()
             except Exception as exc:  # never let the thread die: the next rows need it
                 event(log, logging.ERROR, "settle_batch_failed", repr(exc))
-                time.sleep(WINDOW)
+                time.sleep(timings.SETTLE_WINDOW)
 
     def _settle_now(self) -> None:
         with self._settling:
@@ -188,7 +185,7 @@ class DeferredSettles:
         pending); called with the lock held."""
         if not self._pending:
             return None
-        return self._first_add + WINDOW - time.monotonic()
+        return self._first_add + timings.SETTLE_WINDOW - time.monotonic()
 
     def _finish(self, refused: list[tuple[SettleKind, Started]]) -> None:
         """After settles committed: record the refused settles (also those a start carried)

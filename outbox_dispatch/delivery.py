@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from . import metrics, tracing
+from . import metrics, timings, tracing
 from .caps import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
-from .caps_pipelined import HOLD_FOR, Wake
+from .caps_pipelined import Wake
 from .deferred_settles import DeferredSettles, carried
 from .errors import DatabaseError, PermanentFailure, RetryLater, StatementCancelled
 from .handlers import Context, HandlerFn, Registry
-from .heartbeat import TICK, Heartbeats, Running, SlotState
+from .heartbeat import Heartbeats, Running, SlotState
 from .logs import event, mask_dsn
 from .policy import CapRule, Family, cap_rule
 from .pool import Conn
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 MAX_ERROR_LENGTH = 4000
 # A heartbeat renews a slot up to two ticks late and may wait RENEW_TIMEOUT for Redis: a slot
 # must have this much left past the heartbeat's first renewal to start on without renewing.
-SLOT_MARGIN = 2 * TICK + RENEW_TIMEOUT
+SLOT_MARGIN = 2 * timings.HEARTBEAT_TICK + RENEW_TIMEOUT
 LAPSED = 0.0  # what Delivery._check_slot returns for a row whose slot lapsed (handed back)
 
 
@@ -160,7 +160,7 @@ class Delivery:
         self.on_slot_freed = on_slot_freed
         self.rand = rand
         self.run_times = run_times
-        self.heartbeats = Heartbeats(store, on_tick=self._send_old_releases_unwaited)
+        self.heartbeats = Heartbeats(store)
         self.deferred = DeferredSettles(store, self._settle_refused)
 
     def deliver_message(
@@ -173,7 +173,7 @@ class Delivery:
     ) -> list[Result]:
         """Deliver what a broker message names: one (id, token) pair or a batch of them.
         ``defer``: a worker hands eligible successes to the deferred settles. ``stop_at``:
-        when Celery's soft time limit for the message fires (monotonic, see ``limit_clock``);
+        when Celery's soft time limit for the message fires (monotonic, ``wiring.soft_limit_at``);
         a handler still running then did not return on its own, whatever it does with it."""
         pair = parse_message(args)
         pairs = parse_batch(args) if pair is None else None
@@ -327,11 +327,16 @@ class Delivery:
         renew_until: float | None = None,
         stop_at: float | None = None,
     ) -> Result:
+        if stop_at is not None and time.monotonic() >= stop_at:
+            # the message's time limit has passed (a row before it ran long): this row
+            # does not start, and is due again at once, uncounted
+            self.store.give_back_claim([(row_id, token)])
+            why = "not started: the message's time limit had passed"
+            event(log, logging.INFO, "stale_dropped", why, row_id=row_id, family=family_hint)
+            return Result(Outcome.STALE, row_id, why)
         started = self._start(row_id, token, family_hint)
         family = None if started is None else self.families.get(started.family)
         held = None if started is None or family is None else self._check_slot(started, family)
-        # returned handlers' releases, unless they were held for less than HOLD_FOR
-        self._send_held_releases()
         if started is None:
             why = self.store.why_stale(row_id, token)
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id)
@@ -412,9 +417,9 @@ class Delivery:
             # row cancelled while it ran settles now, so that its outcome says so
             self.deferred.add(settle.kind, started)
             if self.caps is not None and (slot := self._slot_of(started)) is not None:
-                # a cap counts running handlers: this one returned, so its slot goes back now,
-                # written with others within HOLD_FOR, or at the message's end (caps_pipelined)
-                self.caps.hold_releases([slot], self.caps_database)
+                # a cap counts running handlers: this one returned, so its slot goes back now
+                # (the answer, whether to wake the claimer, is read later: caps_pipelined)
+                self._woken(self.caps.release_settled([slot], self.caps_database, wait=False))
             if log.isEnabledFor(logging.INFO):
                 event(
                     log,
@@ -427,27 +432,16 @@ class Delivery:
         return self._finish(started, family, settle, elapsed)
 
     def _flush_slot_writes(self) -> None:
-        """The end of a message: write the slot releases still held and read every answer of
-        the writes sent without waiting, so that a freed slot's wake does not wait for this
-        process's next message (a no-op when nothing is held or unread)."""
+        """The end of a message: read every answer of the releases sent without waiting, so
+        that a freed slot's wake does not wait for this process's next message (a no-op when
+        nothing is unread)."""
         if self.caps is not None:
             self._woken(self.caps.release_settled([], self.caps_database, wait=True))
 
-    def _send_held_releases(self) -> None:
-        """Write the slot releases held for HOLD_FOR or longer (a start)."""
-        if self.caps is not None:
-            self._woken(self.caps.send_held_releases(HOLD_FOR))
-
-    def _send_old_releases_unwaited(self) -> None:
-        """The heartbeat's tick while a long handler runs: the releases held for HOLD_FOR or
-        longer, written if that needs no waiting (the tick must not delay the renewals)."""
-        if self.caps is not None:
-            self.caps.send_held_releases_now(HOLD_FOR)
-
     def _woken(self, wakes: set[Wake]) -> None:
         """Release answers said these claimers (family, database) should let a waiting row
-        in: a process's held releases of every database ride together, so some may be
-        another database's."""
+        in: a process's releases of every database ride together, so some may be another
+        database's."""
         for family_name, database in sorted(wakes, key=lambda w: (w[0], w[1] or "")):
             self.on_slot_freed(family_name, database)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import metrics, tasks, tracing, wiring
+from . import metrics, tasks, timings, tracing, wiring
 from .adapters import caller_connection
 from .bounds import MAX_COUNT, MAX_INTERVAL, MAX_ROW_ID, count_in, real_seconds, seconds_in
 from .caps import Caps
@@ -34,7 +34,7 @@ from .errors import (
 )
 from .handlers import HandlerFn, Registration, Registry
 from .health import Breaker
-from .listener import SAFETY_INTERVAL, CommitListener
+from .listener import CommitListener
 from .logs import about_database, event, mask_dsn
 from .maintenance import Maintenance
 from .migrations import migrate
@@ -173,16 +173,14 @@ class Dispatcher:
 
         app.outbox_dispatcher = self  # lets `--app proj:celery_app` find us, as celery -A does
         wiring.write_settings(app)
-        self._deliver_task, self._deliver_row_task, self._claim_task = wiring.register_tasks(
+        self._deliver_task, self._claim_task = wiring.register_tasks(
             app, self._deliver_from_queue, self.claim_and_publish
         )
-        self.publisher = Publisher(
-            app, self._deliver_task, self._shown_name, row_task=self._deliver_row_task
-        )
+        self.publisher = Publisher(app, self._deliver_task, self._shown_name)
         # with commit listeners, the leading one claims every claim_interval itself and beat's
         # entry is the safety net (listener.py): a claim task every second cost the deliveries
         # around it several ms each time
-        beat_every = max(claim_interval, SAFETY_INTERVAL) if listen else claim_interval
+        beat_every = max(claim_interval, timings.SAFETY_INTERVAL) if listen else claim_interval
         wiring.add_beat_entry(app, beat_every, self.claim_queue)
         self.prune_batch = prune_batch
         wiring.register_periodic(app, wiring.PRUNE_TASK, self.prune)
@@ -429,7 +427,7 @@ class Dispatcher:
     def request_claim(self, family: str, database: str | None = None) -> None:
         """Ask for a claim pass of ``family`` in ``database`` (None: the first) now (a slot
         freed while rows waited for one; the release script asks at most once per
-        caps.WAKE_WINDOW): a NOTIFY to that database's commit listener, which claims in its
+        timings.WAKE_WINDOW): a NOTIFY to that database's commit listener, which claims in its
         own thread at once, or with ``listen=False`` a claim task on the claim queue, which
         waits for a free pool process behind the deliveries."""
         try:

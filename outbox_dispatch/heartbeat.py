@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Any
 from uuid import UUID
 
+from . import timings
 from .errors import OutboxError
 from .forksafe import ForkSafeLock
 from .handlers import Context
@@ -29,7 +30,6 @@ from .validation import DEFAULT_PAYLOAD_LIMIT, encode_payload
 
 log = logging.getLogger(__name__)
 
-TICK = 0.25  # how often the thread looks for leases to renew
 
 Key = tuple[int, UUID]
 
@@ -69,9 +69,8 @@ class Running:
 
 
 class Heartbeats:
-    def __init__(self, store: Store, on_tick: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self.on_tick = on_tick  # the process's other periodic work (held slot releases)
         self._running: dict[Key, Running] = {}
         self._lock = ForkSafeLock()
         self._thread: threading.Thread | None = None
@@ -112,11 +111,7 @@ class Heartbeats:
 
     def _loop(self) -> None:
         while True:
-            time.sleep(TICK)
-            try:
-                self.on_tick()
-            except Exception as exc:  # never let the thread die: the leases need it
-                event(log, logging.ERROR, "heartbeat_tick_failed", repr(exc))
+            time.sleep(timings.HEARTBEAT_TICK)
             now = time.monotonic()
             with self._lock:
                 due = [e for e in self._running.values() if e.next_at <= now or _overdue(e, now)]
@@ -125,7 +120,7 @@ class Heartbeats:
                     self._renew(due)
                 except Exception as exc:  # Postgres unreachable: try again next tick
                     for e in due:
-                        e.next_at = time.monotonic() + TICK
+                        e.next_at = time.monotonic() + timings.HEARTBEAT_TICK
                     # anything else is a bug of ours: never let it end the thread, which
                     # renews every lease of this process
                     known = isinstance(exc, OutboxError)

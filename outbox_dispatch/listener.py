@@ -11,7 +11,7 @@ starting, a standby taking over) sent notifications that no one received. Every 
 seconds (the dispatcher's ``claim_interval``) it claims every family again, for rows that come
 due without a commit (delays, retries, lapsed leases): beat's claim entry, which would send a
 task to a pool process every second for that, then runs only as the safety net (every
-``SAFETY_INTERVAL``), since each of its ticks delayed the deliveries around it by several ms.
+``timings.SAFETY_INTERVAL``), since each of its ticks delayed the deliveries around it.
 
 A family whose claim stopped at its in-flight limit (or a full queue), or that was left
 because its queue holds work for every consumer (policy.claim_can_wait: its rows are claimed
@@ -33,6 +33,7 @@ trail.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -40,6 +41,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from . import timings
 from .claimer import ClaimReport
 from .logs import about_database, event, mask_dsn
 from .naming import quoted
@@ -47,8 +49,6 @@ from .sqlfiles import raw_queries
 
 log = logging.getLogger(__name__)
 
-REFILL = 0.05  # seconds between claims of a family held back by its in-flight limit
-SAFETY_INTERVAL = 10.0  # seconds between beat's claim passes while commit listeners run
 RETRY_FIRST = 0.5  # seconds before the listener claims again after a failed pass
 RETRY_MOST = 8.0  # ... doubled after each further failure, up to this
 
@@ -63,7 +63,7 @@ class CommitListener:
         *,
         coalesce: float = 0.0,
         standby_retry: float = 1.0,
-        refill: float = REFILL,
+        refill: float = timings.REFILL,
         sweep: float | None = None,
         database: str | None = None,
         trail: float | None = None,
@@ -173,7 +173,7 @@ class CommitListener:
                     continue
                 if payloads:
                     payloads += [n.payload for n in conn.notifies(timeout=self.coalesce)]
-                families = set(payloads) | trailed
+                families = {family_of(p) for p in payloads} | trailed
                 for family in trailed:
                     del trailing[family]
                 report = self.claim(sorted(families | saturated))
@@ -191,6 +191,18 @@ class CommitListener:
 
     def _next_sweep(self) -> float | None:
         return None if self.sweep is None else time.monotonic() + self.sweep
+
+
+def family_of(payload: str) -> str:
+    """The family a NOTIFY wakes. Producers of versions before 0.2 name their transaction's
+    first row, as a JSON array whose first item is the family, while a deploy rolls."""
+    if payload.startswith("["):
+        try:
+            first = json.loads(payload)[0]
+        except (ValueError, TypeError, IndexError, KeyError):
+            return payload
+        return first if isinstance(first, str) else payload
+    return payload
 
 
 def _held_back(report: ClaimReport) -> set[str]:

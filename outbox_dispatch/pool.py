@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -34,10 +33,11 @@ def _session(conn: Conn) -> None:
     """Every session of our pools, whatever the server's, role's, URL's or pooler's defaults
     (session.sql's session_defaults):
 
-    - READ COMMITTED, for transaction blocks and for lone statements alike: a claim (or a
-      start that claims) counts what is in flight after it holds the family lock, so its
-      statements need snapshots taken after the lock, not at the transaction's first statement
-      (under REPEATABLE READ it would lease past max_in_flight, or fail to serialize); and a
+    - READ COMMITTED, for transaction blocks and for lone statements alike: a claim counts
+      what is in flight after it holds the family lock, so its statements need snapshots
+      taken after the lock, not at the transaction's first statement (under REPEATABLE READ
+      it would lease past max_in_flight, or fail to serialize); a lone UPDATE (a start, a
+      settle) must not fail on a row another session changed meanwhile; and a
       transactional handler's settle must serialize with the heartbeat's renewal of its row,
       made from another connection while the handler runs.
     - Dates and intervals in the formats psycopg parses (DateStyle ISO, IntervalStyle
@@ -68,12 +68,10 @@ class Pools:
         pool_size: int = 4,
         handler_pool_size: int = 32,
         main_options: dict[str, str] | None = None,
-        warm: Callable[[Conn], None] | None = None,
     ) -> None:
         self.database_url = database_url
         self.schema = schema
         self.main_options = main_options or {}  # libpq settings of the main pool only
-        self.warm = warm  # run by each new main-pool session after its settings (store.py)
         self._sizes = {"outbox": (1, pool_size), "handlers": (0, handler_pool_size)}
         self._pools: dict[str, ConnectionPool] = {}
         self._pid = 0
@@ -102,17 +100,11 @@ class Pools:
                     min_size=low,
                     max_size=high,
                     kwargs={"autocommit": True, **extra},
-                    configure=self._configure_main if role == "outbox" else _session,
+                    configure=_main_session if role == "outbox" else _session,
                     open=True,
                     name=f"{role}-{self.schema}",
                 )
             return self._pools[role]
-
-    def _configure_main(self, conn: Conn) -> None:
-        """A new main-pool session: its settings, then the caller's warm-up."""
-        _main_session(conn)
-        if self.warm is not None:
-            self.warm(conn)
 
     def close(self) -> None:
         with self._lock:

@@ -50,12 +50,9 @@ class Wire:
 
 
 class Publisher:
-    def __init__(
-        self, app: Celery, task: Any, name: Namer = family_command, row_task: Any = None
-    ) -> None:
+    def __init__(self, app: Celery, task: Any, name: Namer = family_command) -> None:
         self.app = app
-        self.task = task  # a batched message's (wiring.py: the two acknowledgement rules)
-        self.row_task = task if row_task is None else row_task  # a one-row message's
+        self.task = task  # outbox.deliver
         self.name = name
         # Celery's message per task name, built once per process: its origin names the pid
         self._templates: dict[str, tuple[dict[str, Any], dict[str, Any], Any]] = {}
@@ -88,7 +85,7 @@ class Publisher:
         if self._needs_celery_path(queue):
             with self.app.producer_or_acquire() as producer, _batched(producer, len(messages)):
                 for args, options in messages:
-                    self._task_for(args).apply_async(args, producer=producer, **options)
+                    self.task.apply_async(args, producer=producer, **options)
             return len(messages)
         wires = self.wires(queue, messages)
         self.send(queue, wires)
@@ -113,24 +110,19 @@ class Publisher:
     def _send(self, producer: Any, queue: str, messages: Outgoing) -> None:
         self._put(producer, queue, self.wires(queue, messages))
 
-    def _task_for(self, args: tuple[Any, ...]) -> Any:
-        """A batched message's args end with its list of pairs; a one-row message's with its
-        token."""
-        return self.task if args and isinstance(args[-1], list) else self.row_task
-
     def wires(self, queue_name: str, messages: Outgoing) -> list[Wire]:
         """The messages as the broker carries them: each a copy of its task's template with
         its own task id, args, time limits and display fields."""
         out = []
         for args, options in messages:
-            headers0, properties0, embed = self._template(self._task_for(args))
+            headers0, properties0, embed = self._template(self.task)
             task_id = str(uuid.uuid4())
             headers = {**headers0, "id": task_id, "root_id": task_id}
             for key in _DISPLAY:
                 headers[key] = options[key]
             # a batched family's rows vary in number; their limits come with each message
             headers["timelimit"] = [options.get("time_limit"), options.get("soft_time_limit")]
-            body = json.dumps([list(args), options.get("kwargs", {}), embed])
+            body = json.dumps([list(args), {}, embed])
             out.append(Wire(task_id, body, headers, {**properties0, "correlation_id": task_id}))
         return out
 

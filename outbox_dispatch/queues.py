@@ -10,12 +10,11 @@ from typing import Any
 
 from kombu.transport.virtual import Transport as VirtualTransport
 
+from . import timings
 from .logs import event
 from .policy import Family
 
 log = logging.getLogger(__name__)
-
-TTL = 0.04  # seconds a family's queue size is reused by the claimer
 
 
 class QueueProbe:
@@ -32,9 +31,9 @@ class QueueProbe:
 
     def queued(self, family: Family) -> int:
         """Messages waiting in the family's queue, for the claimer's broker room. Read at most
-        every TTL seconds: a burst of claims costs one broker round trip."""
+        every timings.QUEUE_TTL seconds: a burst of claims costs one broker round trip."""
         cached = self._sizes.get(family.name)
-        if cached is not None and time.monotonic() - cached[1] < TTL:
+        if cached is not None and time.monotonic() - cached[1] < timings.QUEUE_TTL:
             return cached[0]
         size = self.length(family) or 0  # unknown: Postgres alone limits the claim
         self._sizes[family.name] = (size, time.monotonic())  # failures are cached too
@@ -54,11 +53,12 @@ class QueueProbe:
         try:
             with self.app.pool.acquire(block=True, timeout=2) as conn:
                 conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=1)
-                # Redis keeps no queue objects (a declare creates nothing, and a passive one
-                # misses prefixed keys); AMQP closes a channel on a missing queue
-                passive = not isinstance(conn.transport, VirtualTransport)
-                with conn.channel() as probe:
-                    return int(probe.queue_declare(queue, passive=passive).message_count)
+                if isinstance(conn.transport, VirtualTransport):
+                    # Redis keeps no queue objects: a declare creates nothing and reads every
+                    # priority list in one round trip (a passive one misses prefixed keys)
+                    return int(conn.default_channel.queue_declare(queue).message_count)
+                with conn.channel() as probe:  # AMQP closes a channel on a missing queue
+                    return int(probe.queue_declare(queue, passive=True).message_count)
         except Exception as exc:
             event(log, logging.DEBUG, "queue_size_failed", repr(exc), family=family.name)
             return None

@@ -33,8 +33,8 @@ WEIGHT = 0.2  # of the newest run time in the moving mean
 def report_interval(reports: int) -> float:
     """Seconds between a process's report number ``reports`` and the next. The first report
     is one run (the process's first, often its slowest: imports, connections), so the next
-    ones come sooner: a family's sizing and local feed (policy.local_feed) start from a
-    measured mean within a second of a worker's first row, not after REPORT_EVERY."""
+    ones come sooner: a family's sizing starts from a measured mean within a second of a
+    worker's first row, not after REPORT_EVERY."""
     return min(REPORT_EVERY, REPORT_FIRST * 2.0 ** max(0, reports - 1))
 
 

@@ -6,7 +6,6 @@ Driver errors are translated here, once, into the outbox error tree.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -43,8 +42,6 @@ from .rows import (
 from .settle import BATCH_QUERY, QUERY, SettleKind, leaves_line
 from .sqlfiles import queries_for
 from .validation import PreparedRow
-
-log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -352,7 +349,7 @@ class Store:
         )
 
     def _claim_lock(self, family: Family) -> str:
-        """The family's claim lock: claims and starts that claim serialize on it."""
+        """The family's claim lock: claims serialize on it."""
         return f"{self.schema}.claim.{family.name}"
 
     def starts_flushed(self, family: Family | None) -> bool:

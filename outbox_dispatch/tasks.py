@@ -136,10 +136,18 @@ class OutboxTask(Task):  # type: ignore[misc]
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
         """A call of the task inside an outbox delivery (``run_task``) keeps the delivery's
-        request (its id, retries, ``outbox``) under the call's own, as Celery >= 5.5 does."""
+        request (its id, retries, ``outbox``) under the call's own, as Celery >= 5.5 does;
+        only that call shares the delivery's retry marks (a nested call of the task gets its
+        own)."""
         outer = self.request_stack.top
         if not args and outer is not None and getattr(outer, "outbox", None) is not None:
-            kwargs = {**outer.__dict__, **kwargs}
+            own = getattr(outer, "outbox_depth", None) == 0
+            kwargs = {
+                **outer.__dict__,
+                "outbox_depth": 1 if own else 2,
+                "outbox_flags": outer.outbox_flags if own else {},
+                **kwargs,
+            }
         super().push_request(*args, **kwargs)
 
 
@@ -295,6 +303,7 @@ def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: A
         delivery_info={"exchange": "", "routing_key": queue_of(ctx.family)},
         outbox=ctx,
         outbox_flags=flags,
+        outbox_depth=0,  # the call's own request, pushed by Task.__call__, is depth 1
     )
     try:
         if isinstance(task, OutboxTask):

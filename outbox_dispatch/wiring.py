@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from .delivery import Result
     from .listener import CommitListener
 
-DELIVER_TASK = "outbox.deliver"  # a batched message: acknowledged once it ends
-DELIVER_ROW_TASK = "outbox.deliver_row"  # a one-row message: acknowledged when it starts
+DELIVER_TASK = "outbox.deliver"  # every delivery message: one row, or a batch of them
+DELIVER_ROW_TASK = "outbox.deliver_row"  # the one-row messages of versions before 0.2
 DELIVER_TASKS = frozenset({DELIVER_TASK, DELIVER_ROW_TASK})
 CLAIM_TASK = "outbox.claim"
 CLAIM_ENTRY = "outbox-dispatch claimer"
@@ -70,19 +70,17 @@ def register_tasks(
     app: Celery,
     deliver: Callable[[tuple[Any, ...], str | None, float | None], Sequence[Result]],
     claim: Callable[[list[str] | None, str | None], object],
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, Any]:
     """The delivery tasks take raw args so a garbage message reaches our check, not a
     TypeError; they report their rows' outcome as their Celery state (task_states.py). The
     claim task sends no task events: one a second from beat would drown the deliveries in
     Flower.
 
-    Two delivery tasks, one body, for the two acknowledgement rules a message needs. A batched
-    message is acknowledged once it ends and given back to the broker when its pool process
-    dies (acks_late, reject_on_worker_lost): the rows after the one that was running then run
-    at once, not after their lease. A one-row message is acknowledged when its pool process
-    takes it: given back, it would only find its row started (its lease decides), and an
-    early acknowledgement lets the worker fetch the next message while this one runs instead
-    of after it (one row per message ran about a sixth faster)."""
+    A delivery message is acknowledged once it ends and given back to the broker when its pool
+    process dies (acks_late, reject_on_worker_lost): the rows after the one that was running
+    then run at once, not after their lease (the row that was running is refused at its second
+    start, and its lease decides). ``outbox.deliver_row`` runs the one-row messages that
+    workers of versions before 0.2 published, while a deploy rolls."""
     common: dict[str, Any] = {
         "base": Task,  # Celery's own, also in an app whose task_cls is OutboxTask
         "shared": False,  # a shared task would be added to every other Celery app in the process
@@ -97,10 +95,9 @@ def register_tasks(
         info = getattr(self.request, "delivery_info", None) or {}
         return report(self, task_state(deliver(args, info.get("routing_key"), stop_at)))
 
-    deliver_task = app.task(
-        name=DELIVER_TASK, acks_late=True, reject_on_worker_lost=True, **common
-    )(run)
-    row_task = app.task(name=DELIVER_ROW_TASK, acks_late=False, **common)(run)
+    acks: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True}
+    deliver_task = app.task(name=DELIVER_TASK, **acks, **common)(run)
+    app.task(name=DELIVER_ROW_TASK, **acks, **common)(run)
 
     @app.task(name=CLAIM_TASK, **MAINTENANCE)  # type: ignore[untyped-decorator]
     def claim_task(families: Any = None, database: Any = None) -> None:
@@ -110,16 +107,15 @@ def register_tasks(
         claim(names, database if isinstance(database, str) else None)
 
     quiet_celery_logs()
-    return deliver_task, row_task, claim_task
+    return deliver_task, claim_task
 
 
 def soft_limit_at(task: Any, accepted: float) -> float | None:
-    """When Celery's soft time limit for the running message fires (monotonic), from the
-    clock Celery starts it by: the message's own limit, else the task's, else the app's."""
-    limits = getattr(task.request, "timelimit", None) or (None, None)
+    """When the soft time limit the message carries (its family's, times its rows) fires, by
+    the clock Celery times it with: from the moment the pool process took the message, which
+    ``accepted`` (the task's first line) follows closely."""
+    limits = getattr(task.request, "timelimit", None)
     soft = limits[1] if isinstance(limits, list | tuple) and len(limits) == 2 else None
-    if soft is None:
-        soft = task.soft_time_limit or task.app.conf.task_soft_time_limit
     if isinstance(soft, bool) or not isinstance(soft, int | float) or soft <= 0:
         return None
     return accepted + soft - timings.SOFT_LIMIT_MARGIN

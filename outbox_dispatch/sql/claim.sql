@@ -49,8 +49,7 @@ SELECT set_config('lock_timeout', '0', true),
 -- is the room the pick had (NULL when ids were given); a last row with no id carries it even
 -- when nothing was leased.
 WITH room AS MATERIALIZED (
-    -- the count is outbox_live_claims' (migration 0007), inline: a prepared statement keeps
-    -- its plan, where a function's query is planned on every call
+    -- live claims counted along the outbox_claimed index, at most max_in_flight of them
     SELECT greatest(0, least(%(batch)s::int, %(max_in_flight)s::int - (
         SELECT count(*) FROM (
             SELECT 1 FROM __SCHEMA__.outbox
@@ -120,8 +119,7 @@ SELECT (SELECT n FROM room), NULL::bigint, NULL::uuid, NULL::text, NULL::text, N
 -- (four candidates a row of room, at least 100) needs no round trip of its own: the first
 -- column is the room; when no row is due, one row with no id carries it.
 WITH room AS MATERIALIZED (
-    -- the count is outbox_live_claims' (migration 0007), inline: a prepared statement keeps
-    -- its plan, where a function's query is planned on every call
+    -- live claims counted along the outbox_claimed index, at most max_in_flight of them
     SELECT greatest(0, least(%(batch)s::int, %(max_in_flight)s::int - (
         SELECT count(*) FROM (
             SELECT 1 FROM __SCHEMA__.outbox

@@ -14,12 +14,11 @@ WHERE current_setting('synchronous_commit') = 'off';
 -- What the statements of every session of our pools (the main one and the handlers') and of
 -- the commit listener rely on, whatever the server's (or the role's, or the URL's) defaults;
 -- run once per new connection (pool.py, listener.py):
--- - statements outside a transaction block read committed too: the start that claims is one,
---   and its function counts the family's in-flight rows after taking the family's lock;
---   under REPEATABLE READ the whole call would read the snapshot taken before the lock, miss
---   the claim it waited for, and start a row past max_in_flight (transaction blocks begin
---   READ COMMITTED from psycopg: a transactional handler's settle must serialize with the
---   heartbeat's renewal of its row);
+-- - statements outside a transaction block read committed too: under REPEATABLE READ a lone
+--   UPDATE (a start, a settle) fails on a row another session changed meanwhile (transaction
+--   blocks begin READ COMMITTED from psycopg: a claim counts in flight after the family's
+--   lock, and a transactional handler's settle must serialize with the heartbeat's renewal
+--   of its row);
 -- - dates and intervals come back as psycopg parses them (DateStyle ISO, IntervalStyle
 --   postgres): under 'SQL, DMY' a capped claim, which reads its candidates' due times,
 --   failed on every pass, and the family's rows were never delivered;

@@ -20,10 +20,9 @@ dispatcher.family("suicide", lease=LEASE, heartbeat_timeout=LEASE, max_attempts=
 def record(ctx: Context, kind: str) -> None:
     with dispatcher.store.connection() as conn:
         conn.execute(
-            f'INSERT INTO "{SCHEMA}".runs (row_id, kind, attempt, maybe_applied, pid, one)'
-            " VALUES (%s, %s, %s, %s, %s, (SELECT claimed_at = started_at"
-            f' FROM "{SCHEMA}".outbox WHERE id = %s))',
-            (ctx.row_id, kind, ctx.attempt, ctx.maybe_applied, os.getpid(), ctx.row_id),
+            f'INSERT INTO "{SCHEMA}".runs (row_id, kind, attempt, maybe_applied, pid)'
+            " VALUES (%s, %s, %s, %s, %s)",
+            (ctx.row_id, kind, ctx.attempt, ctx.maybe_applied, os.getpid()),
         )
 
 

@@ -38,7 +38,7 @@ def env(acc_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
             f'CREATE TABLE "{schema}".runs (row_id bigint, kind text, attempt int,'
-            " maybe_applied bool, pid int, one bool,"  # one: claimed and started by one statement
+            " maybe_applied bool, pid int,"
             " at timestamptz DEFAULT clock_timestamp())"
         )
     yield e
@@ -139,13 +139,13 @@ def test_a_handler_that_kills_its_process_every_time_ends_parked_and_the_worker_
     assert f"row_id={doomed}" in log()
 
 
-def test_a_lone_commits_row_claimed_by_its_start_whose_process_dies_runs_again_maybe_applied(
+def test_a_lone_commits_row_whose_process_dies_runs_again_maybe_applied_each_attempt_once(
     env: dict[str, str], spawn: Callable[..., Popen[bytes]]
 ) -> None:
-    """A start that claims, in real processes: with the worker idle, a lone commit's row is
-    claimed and started by one statement in a pool process, which is then killed with -9. The
-    attempt is lost, not forgotten: the row runs again after its lease, flagged maybe_applied,
-    and ends parked once its attempts are spent, each attempt run once."""
+    """With the worker idle, a lone commit's row is claimed at once and started in a pool
+    process, which is then killed with -9. The attempt is lost, not forgotten: the row runs
+    again after its lease, flagged maybe_applied, and ends parked once its attempts are spent,
+    each attempt run once."""
     worker = spawn(
         [*CELERY, "worker", "-P", "prefork", "-c", "2", "-n", "lone@%h", "--loglevel", "INFO"],
         env,
@@ -168,8 +168,7 @@ def test_a_lone_commits_row_claimed_by_its_start_whose_process_dies_runs_again_m
         worker,
     )
     starts = _query(
-        env, "SELECT attempt, maybe_applied, one FROM S.runs WHERE row_id = %s ORDER BY at", doomed
+        env, "SELECT attempt, maybe_applied FROM S.runs WHERE row_id = %s ORDER BY at", doomed
     )
-    # the first attempt was claimed by its own start; the later ones by the claim that found
-    # the dead attempt's lease run out
-    assert starts == [(1, False, True)] + [(n, True, False) for n in range(2, MAX_ATTEMPTS + 1)]
+    # the later attempts were claimed by the claim that found the dead attempt's lease run out
+    assert starts == [(1, False)] + [(n, True) for n in range(2, MAX_ATTEMPTS + 1)]

@@ -25,7 +25,6 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Message
 from outbox_dispatch.migrations import migrate
-from tests.acceptance.envapp import SCHEMA, make_app
 
 from .conftest import worker_with_beat
 from .test_fault_processes import _wait
@@ -47,6 +46,10 @@ def _declare(d: Dispatcher) -> None:
 
 
 def _worker_app() -> tuple[Celery, Dispatcher]:
+    # imported here: envapp reads the schema from the environment when first imported, which
+    # must be the worker's, not the test session's at collection
+    from tests.acceptance.envapp import SCHEMA, make_app
+
     worker_app, dispatcher = make_app("time_limits_acceptance", claim_interval=0.25)
     _declare(dispatcher)
 

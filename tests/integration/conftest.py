@@ -71,7 +71,6 @@ def dispatcher(
     # declared before the session's worker starts, so that it consumes their queues
     d.family("plain")  # nothing set: batches sized per claim
     d.family("cappedbatch", per_actor=2, lease=30)
-    d.family("single", batch=1)  # one row per message
     yield d
     d.close()
 

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_dispatch import Context, Dispatcher, Family, Message, Outcome, queues
+from outbox_dispatch import Context, Dispatcher, Family, Message, Outcome, timings
 from outbox_dispatch.claimer import Claimer, ClaimReport
 from outbox_dispatch.policy import SPREAD
 from outbox_dispatch.wiring import DELIVER_TASKS
@@ -64,7 +64,7 @@ def test_a_backlog_is_packed_over_the_consumers_and_every_row_is_delivered_once(
     # (its row gone) goes to the worker first
     plain = dispatcher.families["plain"]
     wait_for(lambda: dispatcher.queues.length(plain) == 0, "the plain queue drained")
-    time.sleep(queues.TTL)  # and no claim reuses a length read before
+    time.sleep(timings.QUEUE_TTL)  # and no claim reuses a length read before
     cmd = commands(family="plain")
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(400)])
@@ -133,16 +133,16 @@ def test_the_queue_length_counts_what_was_just_published_until_it_is_read_again(
     dispatcher: Dispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A claim right after another sees the messages that one put on the broker, though the
-    length it reads is cached (queues.TTL): else each claim in a burst would take the queue
+    length it reads is cached (timings.QUEUE_TTL): else each claim in a burst would take the queue
     for empty."""
     family = Family("nobody_consumes_this_one")
     probe = dispatcher.queues
-    monkeypatch.setattr(queues, "TTL", 60.0)
+    monkeypatch.setattr(timings, "QUEUE_TTL", 60.0)
     assert probe.queued(family) == 0  # read from Redis: no such list
     probe.published(family, 3)
     probe.published(family, 0)
     assert probe.queued(family) == 3
-    monkeypatch.setattr(queues, "TTL", 0.0)
+    monkeypatch.setattr(timings, "QUEUE_TTL", 0.0)
     assert probe.queued(family) == 0  # read again: nothing was really sent
 
 
@@ -156,7 +156,7 @@ def test_the_commit_listener_leaves_rows_to_a_busy_queue(
     _clear_run_stats(database_url, schema)
     cmd = commands(family="plain")
     family = dispatcher.families["plain"]
-    monkeypatch.setattr(queues, "TTL", 60.0)
+    monkeypatch.setattr(timings, "QUEUE_TTL", 60.0)
     dispatcher.queues.queued(family)  # read from Redis once; then count what is published
     dispatcher.queues.published(family, dispatcher._consumers() * SPREAD)
     with psycopg.connect(database_url) as conn, conn.transaction():
@@ -232,6 +232,40 @@ def test_rows_after_the_one_that_was_running_are_not_marked_started(
             )
         }
     assert started == {ids[2]: True, ids[3]: False, ids[4]: False, ids[5]: False}
+
+
+def test_rows_of_a_batch_whose_time_limit_passed_are_given_back_unstarted(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str, schema: str
+) -> None:
+    """Celery's soft limit for a batched message covers all its rows; once it has passed
+    (a row before ran long, and caught the limit's exception), the rows after it do not start
+    (their handlers would run after the limit, and be retried as stopped): they are due again
+    at once, their attempt uncounted, for the next claim."""
+    ran: list[int] = []
+    cmd = commands(family="bulk", fn=lambda ctx, payload: ran.append(payload["n"]))
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(3)])
+    claimed = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
+    claimed = [c for c in claimed if c.id in ids]
+    assert sorted(c.id for c in claimed) == ids
+    results = dispatcher.delivery.deliver_batch(
+        [(c.id, c.token) for c in claimed], family_hint="bulk", stop_at=time.monotonic() - 1
+    )
+    assert [r.outcome for r in results] == [Outcome.STALE] * 3 and ran == []
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(
+            f'SELECT attempts, started_at IS NULL, due_at <= now() FROM "{schema}".outbox'
+            " WHERE id = ANY(%s)",
+            (ids,),
+        ).fetchall()
+    assert rows == [(1, True, True)] * 3  # due now; the claim's attempt is not counted again
+    again = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
+    again = [c for c in again if c.id in ids]
+    assert sorted(c.id for c in again) == ids
+    assert {c.attempts for c in again} == {1}  # the given-back claim never ran
+    for c in again:
+        dispatcher.delivery.deliver(c.id, c.token, family_hint="bulk")
+    assert sorted(ran) == [0, 1, 2]
 
 
 def test_each_row_of_a_batch_gets_its_own_time_limit(
@@ -338,22 +372,17 @@ def test_a_redelivered_batch_does_not_extend_the_slot_of_a_row_whose_worker_died
     assert caps.client.zscore(key, dead) == before  # not extended by the redelivery
 
 
-@pytest.mark.parametrize("hold_for", [0.0, 60.0], ids=["written-at-each-start", "held-to-the-end"])
 def test_a_capped_batch_gives_each_slot_back_when_its_handler_returns(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
     database_url: str,
     schema: str,
     monkeypatch: pytest.MonkeyPatch,
-    hold_for: float,
 ) -> None:
     """In a batched message of capped rows, each row's cap slot goes back when its handler
-    returns (a cap counts running handlers), and its settle is carried by the next row's
-    start. The releases are held until the oldest is HOLD_FOR old, then written by the next
-    start, before its handler runs (HOLD_FOR 0: every start writes the one before), or at the
-    message's end (a HOLD_FOR longer than the message: all of them in one write). The last row
-    is settled at the message's end; the freed slots let an actor's waiting row in."""
-    monkeypatch.setattr("outbox_dispatch.delivery.HOLD_FOR", hold_for)
+    returns (a cap counts running handlers), written at once without waiting for Redis's
+    answer, and its settle is carried by the next row's start. The last row is settled at the
+    message's end; the freed slots let an actor's waiting row in."""
     caps = dispatcher.caps
     assert caps is not None
     actors = [f"r{time.monotonic_ns()}", f"s{time.monotonic_ns()}"]
@@ -380,7 +409,7 @@ def test_a_capped_batch_gives_each_slot_back_when_its_handler_returns(
     assert len(claimed) == 4  # cap 2 per actor: the fifth row waits
     calls: list[int] = []
     statements: list[int] = []
-    real, hold, settle_many = caps.release_settled, caps.hold_releases, dispatcher.store.settle_many
+    real, settle_many = caps.release_settled, dispatcher.store.settle_many
 
     ours = {c.token for c in claimed}  # the session worker may settle other rows meanwhile
 
@@ -389,33 +418,23 @@ def test_a_capped_batch_gives_each_slot_back_when_its_handler_returns(
             calls.append(n)
         return real(slots, database, wait=wait)
 
-    def hold_releases(slots: Any, database: Any = None) -> None:
-        """A returned handler's release: written by a later start, or at the message's end."""
-        if n := sum(s.token in ours for s in slots):
-            calls.append(n)
-        hold(slots, database)
-
     def counted_settle_many(kind: Any, pairs: Any) -> set[int]:
         if n := sum(token in ours for _, token in pairs):
             statements.append(n)
         return settle_many(kind, pairs)
 
     caps.release_settled = release_settled  # type: ignore[method-assign]
-    caps.hold_releases = hold_releases  # type: ignore[method-assign]
     dispatcher.store.settle_many = counted_settle_many  # type: ignore[method-assign]
     # the thread leaves what no start carried to the batch's end
-    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 5.0)
+    monkeypatch.setattr("outbox_dispatch.timings.SETTLE_WINDOW", 5.0)
     try:
         results = dispatcher.delivery.deliver_batch(
             [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True
         )
     finally:
-        del caps.release_settled, caps.hold_releases, dispatcher.store.settle_many
+        del caps.release_settled, dispatcher.store.settle_many
     assert [r.outcome for r in results] == [Outcome.DELIVERED] * 4
-    if hold_for:  # settled before the next start, the slots held to the message's end
-        assert seen == [(4, 4), (3, 4), (2, 4), (1, 4)]
-    else:  # freed and settled before the next start
-        assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]
+    assert seen == [(4, 4), (3, 3), (2, 2), (1, 1)]  # freed and settled before the next start
     assert statements == [1]  # the last row, at the message's end
     assert calls == [1, 1, 1, 1]
     assert held() == 0
@@ -425,42 +444,3 @@ def test_a_capped_batch_gives_each_slot_back_when_its_handler_returns(
         assert time.monotonic() < deadline, "the waiting row never got a freed slot"
         dispatcher.claimer.claim_family(family)
         time.sleep(0.05)
-
-
-def test_a_held_release_goes_out_while_the_next_handler_runs_long(
-    dispatcher: Dispatcher,
-    commands: Callable[..., str],
-    database_url: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A release held at a start (younger than HOLD_FOR) does not wait for a long handler
-    after it to return: the heartbeat thread's next tick writes it."""
-    monkeypatch.setattr("outbox_dispatch.delivery.HOLD_FOR", 0.5)
-    caps = dispatcher.caps
-    assert caps is not None
-    first, second = f"q{time.monotonic_ns()}", f"l{time.monotonic_ns()}"
-    seen: dict[str, Any] = {}
-
-    def look(ctx: Context, payload: Any) -> None:
-        if ctx.actor != second:
-            return
-        seen["at_start"] = len(caps.holders("cappedbatch", first))
-        t0 = time.monotonic()
-        while caps.holders("cappedbatch", first) and time.monotonic() - t0 < 5:
-            time.sleep(0.02)
-        seen["freed_after"] = time.monotonic() - t0
-        seen["still_held"] = len(caps.holders("cappedbatch", first))
-
-    cmd = commands(family="cappedbatch", fn=look)
-    with psycopg.connect(database_url) as conn, conn.transaction():
-        ids = dispatcher.enqueue_many(conn, [Message(cmd, {}, actor=a) for a in (first, second)])
-    family = dispatcher.families["cappedbatch"]
-    claimed = [c for c in dispatcher.claimer.claim_family(family).claimed if c.id in ids]
-    assert [c.id for c in claimed] == ids
-    results = dispatcher.delivery.deliver_batch(
-        [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True
-    )
-    assert [r.outcome for r in results] == [Outcome.DELIVERED] * 2
-    assert seen["at_start"] == 1  # held: younger than HOLD_FOR when the second row started
-    assert seen["still_held"] == 0  # written by a tick while the second handler ran
-    assert seen["freed_after"] < 4

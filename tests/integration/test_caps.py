@@ -580,13 +580,11 @@ def test_pipelined_scripts_work_as_a_fresh_process_s_first_call_and_after_a_scri
     a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
     fresh = Caps(caps_url, prefix)  # a new process's: nothing registered, nothing connected
     assert fresh.acquire_many([a, b], lease=30, waiting=True) == [True, True]
-    fresh.hold_releases([a])
-    woken = fresh.send_held_releases()
+    woken = fresh.release_settled([a], wait=False)
     woken |= fresh.release_settled([], wait=True)  # every answer read
     assert woken == {("f", None)} and fresh.holders("f", "a") == []
     redis.Redis.from_url(caps_url).script_flush()
-    fresh.hold_releases([b])
-    fresh.send_held_releases()
+    fresh.release_settled([b], wait=False)
     fresh.release_settled([], wait=True)
     assert fresh.holders("f", "b") == []  # ran again after NOSCRIPT
     redis.Redis.from_url(caps_url).script_flush()
@@ -624,82 +622,13 @@ def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
     again = Slot("f", "a0", uuid.uuid4(), 1)  # the freed slot can be taken again
     assert caps.acquire_many([again], lease=30) == [True]
     assert caps.release_settled([], wait=True) == set()  # nothing unread: no round trip
-    caps.close()
-
-
-def test_held_releases_go_out_with_the_next_start_or_at_the_messages_end(
-    caps_url: str, run_id: str
-) -> None:
-    """The releases of rows whose handlers returned are held (no write) until a start finds
-    the oldest held at least ``older_than`` (HOLD_FOR) ago and writes them all, one script
-    run per family, or the end of the message does. Either way the wakes they ask for are
-    not lost, and each slot is noted freed once for its actor's waiting rows."""
-    caps = Caps(caps_url, f"t{run_id}held")
-    caps.restore([])
-    a, b, c = (Slot("f", x, uuid.uuid4(), 1) for x in "abc")
-    g = Slot("g", "a", uuid.uuid4(), 1)
-    assert caps.acquire_many([a, b, c], lease=30, waiting=True) == [True] * 3
-    assert caps.acquire_many([g], lease=30, waiting=True) == [True]
-    caps.hold_releases([a])
-    caps.hold_releases([g])
-    caps.hold_releases([b])
-    assert caps.send_held_releases(older_than=60) == set()  # too young: still held
-    assert caps.holders("f", "a") == [str(a.token)]  # nothing written yet
-    woken = caps.send_held_releases(older_than=0)  # a start: all three in one write
-    woken |= caps.release_settled([], wait=True)
-    assert woken == {("f", None), ("g", None)}
-    assert caps.holders("f", "a") == caps.holders("f", "b") == caps.holders("g", "a") == []
-    assert caps.take_freed("f") == {"a": 1, "b": 1} and caps.take_freed("g") == {"a": 1}
-    caps.hold_releases([c])
-    caps.release_settled([], wait=True)  # the message's end
-    assert caps.holders("f", "c") == []
-    assert caps.send_held_releases() == set()  # nothing held: no write
-    # a process delivering for two databases holds both's releases: each wake names its own
+    # a process delivering for two databases sends both's releases: each wake names its own
     d2, d3 = Slot("f", "d", uuid.uuid4(), 1), Slot("f", "e", uuid.uuid4(), 1)
     assert caps.acquire_many([d2, d3], lease=30, waiting=True) == [True, True]
     time.sleep(caps.wake_ms / 1000 + 0.05)  # past the first database's wake window
-    caps.hold_releases([d2], "db2")
-    caps.hold_releases([d3])
+    caps.release_settled([d2], "db2", wait=False)
+    caps.release_settled([d3], wait=False)
     assert caps.release_settled([], wait=True) == {("f", "db2"), ("f", None)}
-    caps.close()
-
-
-def test_the_heartbeats_tick_writes_held_releases_only_when_that_needs_no_waiting(
-    caps_url: str, run_id: str
-) -> None:
-    """The tick (caps.send_held_releases_now) must never delay the lease renewals of its
-    thread: with the writes' lock taken by another thread, or no connection open yet, it
-    leaves the releases held and returns at once (the first hold of a process opens it, on
-    the delivery path); otherwise it writes them, and their answers are read by the delivery
-    path's next write."""
-    caps = Caps(caps_url, f"t{run_id}tick")
-    caps.restore([])
-    a, b = Slot("f", "a", uuid.uuid4(), 1), Slot("f", "b", uuid.uuid4(), 1)
-    assert caps.acquire_many([a, b], lease=30, waiting=True) == [True, True]
-    writes = caps._writes
-    caps.hold_releases([a])  # opens the writes' connection (the delivery path may wait)
-    assert writes._conn is not None
-    writes._drop()  # as when a write failed: the tick does not reconnect
-    caps.send_held_releases_now(0)
-    assert caps.holders("f", "a") == [str(a.token)]
-    caps.release_settled([], wait=True)  # the message's end: opens it, writes, reads
-    assert caps.holders("f", "a") == []
-    caps.hold_releases([b])
-    with writes._lock:  # another thread writing
-        t0 = time.monotonic()
-        caps.send_held_releases_now(0)
-        assert time.monotonic() - t0 < 0.1
-    assert caps.holders("f", "b") == [str(b.token)]
-    caps.send_held_releases_now(60)  # too young
-    assert caps.holders("f", "b") == [str(b.token)]
-    time.sleep(caps.wake_ms / 1000 + 0.05)  # past a's wake window: b's release wakes
-    caps.send_held_releases_now(0)
-    deadline = time.monotonic() + 2
-    while caps.holders("f", "b"):  # written; nobody read the answer yet
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert len(writes._sent) == 1
-    assert caps.release_settled([], wait=True) == {("f", None)}  # the answer, and its wake
     caps.close()
 
 

@@ -263,7 +263,7 @@ def test_deferred_settles_ride_on_the_next_start_and_stay_fenced(
         return settle_many(kind, pairs)
 
     dispatcher.store.settle_many = counting  # type: ignore[method-assign]
-    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 0.3)  # the thread waits
+    monkeypatch.setattr("outbox_dispatch.timings.SETTLE_WINDOW", 0.3)  # the thread waits
     try:
         claimed = _claim(dispatcher, "quick")
         assert [c.id for c in claimed] == [late, *ids]
@@ -294,7 +294,7 @@ def test_the_settles_thread_is_not_woken_for_each_row_of_a_steady_flow(
     start carries the settle of the row before it. Waking the thread for each row anyway
     (it had gone idle while a start held the last row) cost two switches of the GIL a row,
     a quarter of a batched row's CPU. It is woken by the first row, then looks again once per
-    WINDOW (20 ms; the 100 rows take more than that) while rows keep coming, and every row
+    SETTLE_WINDOW (20 ms; the 100 rows take more than that) while rows keep coming, and every row
     is still settled."""
     cmd = commands(family="quick")
     with psycopg.connect(database_url) as conn, conn.transaction():
@@ -370,7 +370,7 @@ def test_one_refused_settle_that_cannot_be_recorded_does_not_drop_the_others(
     recording the first fails (Postgres went away for that statement), the second is still
     recorded: the failure once ended the loop and the rest of the list was dropped."""
     schema = dispatcher.schema
-    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 60.0)  # the flush settles
+    monkeypatch.setattr("outbox_dispatch.timings.SETTLE_WINDOW", 60.0)  # the flush settles
 
     def asks_to_cancel_itself(ctx: Context, payload: Any) -> None:
         with psycopg.connect(database_url) as conn, conn.transaction():
@@ -414,7 +414,7 @@ def test_a_carried_settle_is_fenced_by_the_token_it_was_delivered_under(
     lost, not delivered."""
     schema = dispatcher.schema
     cmd = commands(family="quick")
-    monkeypatch.setattr("outbox_dispatch.deferred_settles.WINDOW", 60.0)  # the thread waits
+    monkeypatch.setattr("outbox_dispatch.timings.SETTLE_WINDOW", 60.0)  # the thread waits
     first = _enqueue(dispatcher, database_url, cmd)
     [old] = _claim(dispatcher, "quick")
     assert dispatcher.delivery.deliver(old.id, old.token, defer=True).outcome is Outcome.DELIVERED

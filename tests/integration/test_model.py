@@ -638,8 +638,8 @@ class ModelMachine(RuleBasedStateMachine):
         self.known: set[int] = set()
         self.tokens: dict[int, set[UUID]] = {}
         self.stale: set[tuple[int, UUID]] = set()
-        # slots whose releases a killed worker held unwritten (caps_pipelined.HOLD_FOR): they
-        # run to their claims' leases, counted against their actors' caps
+        # slots whose releases a killed worker never wrote: they run to their claims'
+        # leases, counted against their actors' caps
         self.orphaned: set[str] = set()
         # tokens of stalled attempts whose start a Postgres crash lost: the start's slot check
         # may have renewed the slot for a heartbeat timeout, past the lease the row went back
@@ -690,8 +690,9 @@ class ModelMachine(RuleBasedStateMachine):
                 )
 
     def held_in_batch(self) -> set[str]:
-        """Slots of the batched message's returned rows, whose releases the process may hold
-        until HOLD_FOR has passed or the message ends (caps_pipelined.py)."""
+        """Slots of the batched message's returned rows, whose releases the process wrote
+        without waiting for Redis's answer (caps_pipelined.py): Redis may not have run them
+        yet when the next row's checks look."""
         return {str(self.plan[rid][0].token) for rid in self.returned_in_batch()}
 
     def returned_in_batch(self) -> set[int]:
@@ -1117,10 +1118,6 @@ class ModelMachine(RuleBasedStateMachine):
             crashed = True
             delivery.deferred._pending.clear()  # the process died, its deferred settles too
             delivery.deferred._after.clear()
-            assert self.d.caps is not None
-            held = self.d.caps._writes._held  # and the slot releases it had not written
-            self.orphaned |= {str(slot.token) for slot, _ in held}
-            held.clear()
         except Violation as v:
             raise v.error from None
         finally:

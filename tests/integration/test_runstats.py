@@ -2,7 +2,7 @@
 process reports a family's mean at its first run and again soon after (the first run is
 often its slowest), then every REPORT_EVERY; a claimer that found no report for a family
 reads again after READ_MISSING, not READ_EVERY. Together they let a fresh worker's claims
-size its messages and feed it from a measured mean within a second."""
+size its messages from a measured mean within a second."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import psycopg
 from celery import Celery
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.listener import SAFETY_INTERVAL
+from outbox_dispatch.timings import SAFETY_INTERVAL
 from outbox_dispatch.wiring import (
     CLAIM_ENTRY,
     CLAIM_TASK,
@@ -111,10 +111,9 @@ def test_app_wiring(dispatcher: Dispatcher, celery_app: Celery) -> None:
     listening = Celery("wiring_listen", set_as_current=False)
     Dispatcher(listening, database_url="postgresql://127.0.0.1/unused", claim_interval=0.5)
     assert listening.conf.beat_schedule[CLAIM_ENTRY]["schedule"] == SAFETY_INTERVAL
-    deliver = celery_app.tasks[DELIVER_TASK]  # batched messages: given back if its process dies
-    assert deliver.acks_late and deliver.reject_on_worker_lost and deliver.ignore_result
-    row = celery_app.tasks[DELIVER_ROW_TASK]  # one row: acknowledged as its process takes it
-    assert not row.acks_late and row.ignore_result
+    for name in (DELIVER_TASK, DELIVER_ROW_TASK):  # given back if its process dies
+        deliver = celery_app.tasks[name]
+        assert deliver.acks_late and deliver.reject_on_worker_lost and deliver.ignore_result
 
     # a family added after Celery is configured gets its queue at once
     dispatcher.family("late_family", max_attempts=2)

@@ -44,7 +44,7 @@ def test_fast_message_matches_celerys(dispatcher: Dispatcher, family: str) -> No
         ours, queue, [((row.id, str(row.token)), message_options(fam, row, queue))]
     )
     options = message_options(fam, row, queue)
-    task = dispatcher._deliver_row_task  # a one-row message's task
+    task = dispatcher._deliver_task
     message = dispatcher.app.amqp.create_task_message(
         "id-1",
         task.name,

@@ -3,3 +3,5 @@
 DROP FUNCTION IF EXISTS __SCHEMA__.outbox_claim_start(
     bigint, uuid, float8, text, integer, text, text, timestamptz
 );
+-- Nothing calls outbox_live_claims (0007) since the claim counts live claims inline.
+DROP FUNCTION IF EXISTS __SCHEMA__.outbox_live_claims(text, integer, timestamptz);
