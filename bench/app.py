@@ -11,6 +11,7 @@ import psycopg
 import redis
 from celery import Celery
 
+from bench.ablation import NODES, switch_off
 from bench.procs import COUNTER, LATENCIES
 from outbox_dispatch import Context, Dispatcher
 
@@ -23,13 +24,25 @@ SCHEMA = os.environ.get("OUTBOX_BENCH_SCHEMA", "outbox_bench")
 app = Celery("outbox_bench", broker=REDIS_URL)
 app.conf.update(task_ignore_result=True, worker_hijack_root_logger=False)
 # claim_interval is the default (1 s): the commit wake claims, beat is the safety net
-dispatcher = Dispatcher(app, database_url=DATABASE_URL, redis_url=REDIS_URL, schema=SCHEMA)
+# bench/ablation.py switches mechanisms off in the worker through OUTBOX_BENCH_OFF
+OFF = [name for name in os.environ.get("OUTBOX_BENCH_OFF", "").split(",") if name]
+NODE = os.environ.get("OUTBOX_BENCH_NODE")  # a worker node's name, to count its share
+dispatcher = Dispatcher(
+    app,
+    database_url=DATABASE_URL,
+    redis_url=REDIS_URL,
+    schema=SCHEMA,
+    flushed_starts="unflushed" in OFF,
+)
+switch_off(OFF, dispatcher)
 _counter: redis.Redis | None = None
 _counter_pid = 0
 
 
 def bump() -> None:
     bump_client().incr(COUNTER)
+    if NODE is not None:
+        bump_client().hincrby(NODES, NODE, 1)
 
 
 def note_latency(sent: float) -> None:

@@ -549,6 +549,7 @@ def run(o: Options) -> Results:
                 P.say(f"round {n + 1} of {o.repeat}")
             for s in order:
                 P.clean_redis(r)
+                P.vacuum(bench.DATABASE_URL)
                 measured = attempt(
                     results,
                     s.scenario,
