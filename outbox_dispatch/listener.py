@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -208,3 +211,69 @@ def family_of(payload: str) -> str:
 def _held_back(report: ClaimReport) -> set[str]:
     """The families a claim pass left at their in-flight limit: claimed again every refill."""
     return set(getattr(report, "saturated", None) or ())
+
+
+class ListenerProcess:
+    """A worker's commit listeners, run in a process of their own.
+
+    A listener claims (a transaction in Postgres) and publishes (a round trip to the broker)
+    for every commit it hears of. In the worker's main process it shared one interpreter
+    with Celery's consumer, which fetches and hands out every delivery message, and at a
+    couple of hundred commits a second each waited on the other. The child is forked from
+    the worker's main process once its pool has started; it stops with the worker, or when
+    it finds its parent gone (a worker killed with -9), which ends its Postgres sessions and
+    so passes the listener's lock to another worker's listener."""
+
+    def __init__(self, make: Callable[[], list[CommitListener]]) -> None:
+        self.make = make
+        self._proc: multiprocessing.process.BaseProcess | None = None
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("fork")
+        self._proc = context.Process(
+            target=_serve_listeners,
+            args=(self.make, os.getpid()),
+            name="outbox-listener",
+            daemon=True,
+        )
+        self._proc.start()
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.is_alive():
+            proc.terminate()  # SIGTERM: its listeners stop and close their sessions
+            proc.join(LISTENER_STOP)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+LISTENER_STOP = 10.0  # seconds a worker's shutdown waits for its listener process to stop
+PARENT_CHECK = 1.0  # seconds between the listener process's looks for its worker
+
+
+def _serve_listeners(make: Callable[[], list[CommitListener]], parent: int) -> None:
+    """The listener process: run the listeners until told to stop, or the worker is gone."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the worker's to act on
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    listeners = make()
+    for listener in listeners:
+        listener.start()
+    try:
+        while not stop.wait(PARENT_CHECK):
+            if os.getppid() != parent:
+                event(
+                    log,
+                    logging.WARNING,
+                    "listener_orphaned",
+                    "the worker that started this listener process is gone: it stops, and "
+                    "another worker's listener takes over",
+                )
+                break
+    finally:
+        for listener in listeners:
+            listener.stop()

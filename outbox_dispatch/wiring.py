@@ -255,26 +255,25 @@ def _on_signals(fn: Callable[[], None], *sent: Any) -> None:
 
 
 def install_listener_step(app: Any, make: Callable[[], list[CommitListener]]) -> None:
-    """Run the commit listeners (one per database) in each worker's main process (not in its
-    pool children)."""
+    """Run the commit listeners (one per database) in a process each worker forks once its
+    pool has started (listener.ListenerProcess), apart from the process that consumes."""
     from celery import bootsteps
 
+    from .listener import ListenerProcess
+
     class OutboxCommitListener(bootsteps.StartStopStep):  # type: ignore[misc]
-        # after the pool: its first children are forked before the listener threads run
-        # (children forked later are covered by forksafe.py's locks)
         requires = ("celery.worker.components:Pool",)
 
         def __init__(self, parent: Any, **kwargs: Any) -> None:
             super().__init__(parent, **kwargs)
-            self.listeners: list[CommitListener] = []
+            self.process: ListenerProcess | None = None
 
         def start(self, parent: Any) -> None:
-            self.listeners = make()
-            for listener in self.listeners:
-                listener.start()
+            self.process = ListenerProcess(make)
+            self.process.start()
 
         def stop(self, parent: Any) -> None:
-            for listener in self.listeners:
-                listener.stop()
+            if self.process is not None:
+                self.process.stop()
 
     app.steps["worker"].add(OutboxCommitListener)

@@ -156,6 +156,56 @@ def test_cli_migrate_status_and_parked(clean_acc: dict[str, str]) -> None:
     assert bad_app.returncode == 2 and "cannot import" in bad_app.stderr
 
 
+def _listener_holder(env: dict[str, str]) -> int | None:
+    """The Postgres backend holding the schema's listener lock (listener.py), if any."""
+    lock = f"{env['OUTBOX_TEST_SCHEMA']}.wake-listener"
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:
+        row = conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND ((classid::bigint << 32) | objid::bigint) = hashtextextended(%s, 0)",
+            (lock,),
+        ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def test_the_listener_fails_over_when_its_worker_is_killed(
+    clean_acc: dict[str, str], spawn: Callable[..., Popen[bytes]]
+) -> None:
+    """Each worker runs its commit listener in a process of its own; one holds the schema's
+    listener lock. The worker that holds it is killed with -9 (its main process alone, as an
+    OOM kill does): its listener process finds its parent gone and exits, its session ends,
+    and the other worker's listener takes the lock; a commit made after the kill is
+    delivered, with no beat running."""
+    env = clean_acc
+
+    def worker(name: str) -> Popen[bytes]:
+        argv = [sys.executable, "-m", "celery", "-A", "tests.acceptance.app", "worker"]
+        return spawn([*argv, "-c", "1", "-n", f"{name}@%h", "--loglevel", "INFO"], env, name)
+
+    def wait(what: str, check: Callable[[], bool], timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.1)
+
+    first = worker("first")
+    wait("the first worker's listener", lambda: _listener_holder(env) is not None)
+    holder = _listener_holder(env)
+    second = worker("second")
+    time.sleep(3)  # the second worker is up, its listener standing by
+    assert _listener_holder(env) == holder and second.poll() is None
+    first.send_signal(signal.SIGKILL)  # the main process only: its children are orphaned
+    first.wait()
+    wait("another listener to take the lock", lambda: _listener_holder(env) not in (None, holder))
+    producer = _producer(env)
+    with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn, conn.transaction():
+        row_id = producer.enqueue(conn, "acc.email", {"after": "kill"})
+    producer.close()
+    wait("the row committed after the kill", lambda: row_id in dict(_counts(env)[1]))
+    assert second.poll() is None
+
+
 def test_a_worker_without_beat_delivers_through_the_commit_wake(
     clean_acc: dict[str, str], spawn: Callable[..., Popen[bytes]]
 ) -> None:
