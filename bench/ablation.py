@@ -37,6 +37,8 @@ SWITCHES: dict[str, str] = {
     "unflushed": "starts wait for their WAL flush (flushed_starts=True)",
     "deferral": "claim when the queue already holds work for every consumer (no claim deferral)",
     "youngslot": "a capped start always renews its slot in Redis (no young-claim skip)",
+    "ownprocess": "the commit listener runs as threads of the worker's main process",
+    "published": "a claim's messages are not added to the cached queue length",
 }
 NODES = "outbox-bench:nodes"  # hash: worker node -> rows its handlers ran
 
@@ -65,6 +67,24 @@ def switch_off(names: Iterable[str], dispatcher: Any) -> None:
         from outbox_dispatch import claimer
 
         setattr(claimer, "claim_can_wait", lambda *a, **k: False)  # noqa: B010
+    if "published" in names:
+        from outbox_dispatch import queues
+
+        setattr(queues.QueueProbe, "published", lambda self, family, messages: None)  # noqa: B010
+    if "ownprocess" in names:
+        from outbox_dispatch import listener
+
+        def start_here(self: Any) -> None:
+            self.threads = self.make()
+            for each in self.threads:
+                each.start()
+
+        def stop_here(self: Any) -> None:
+            for each in getattr(self, "threads", []):
+                each.stop()
+
+        setattr(listener.ListenerProcess, "start", start_here)  # noqa: B010
+        setattr(listener.ListenerProcess, "stop", stop_here)  # noqa: B010
     if "youngslot" in names:
         from outbox_dispatch import delivery
 

@@ -621,15 +621,11 @@ class Dispatcher:
         self, family: Family, rows: Sequence[Claimed], size: int = 1, database: str | None = None
     ) -> None:
         """One message per row, or per ``size`` rows; all on one producer connection. The
-        messages name ``database`` unless it is the first. The queue's cached length counts
-        those put on the broker until it is read again (a claim that follows within the
-        cache's life sees them)."""
+        messages name ``database`` unless it is the first."""
         if rows:
             db = self.database(database)
             named = None if db.primary else db.name
-            queue = self.queue_name(family.name)
-            sent = self.publisher.publish(family, rows, queue, size, named)
-            self.queues.published(family, sent)
+            self.publisher.publish(family, rows, self.queue_name(family.name), size, named)
 
     def _consumers(self) -> int:
         """How many processes consume a family's queue at least: the ``consumers`` setting, or

@@ -39,13 +39,6 @@ class QueueProbe:
         self._sizes[family.name] = (size, time.monotonic())  # failures are cached too
         return size
 
-    def published(self, family: Family, messages: int) -> None:
-        """Count ``messages`` just put on the family's queue in its cached length, until the
-        next read: claims that follow within the cache's life see them."""
-        cached = self._sizes.get(family.name)
-        if cached is not None and messages > 0:
-            self._sizes[family.name] = (cached[0] + messages, cached[1])
-
     def length(self, family: Family) -> int | None:
         """None when the broker cannot say (down, or the queue never declared on AMQP); one
         quick connection attempt, so an outage does not stall claims and scrapes."""

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_dispatch import Context, Dispatcher, Family, Message, Outcome, timings
+from outbox_dispatch import Context, Dispatcher, Message, Outcome, timings
 from outbox_dispatch.claimer import Claimer, ClaimReport
 from outbox_dispatch.policy import SPREAD
 from outbox_dispatch.wiring import DELIVER_TASKS
@@ -129,23 +129,6 @@ def test_a_listener_leaves_a_trickle_to_one_claim_that_packs_it_while_the_queue_
     assert run(refills=False).claimed == {"plain": 1} and sent[-1] == ([late], 1)
 
 
-def test_the_queue_length_counts_what_was_just_published_until_it_is_read_again(
-    dispatcher: Dispatcher, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A claim right after another sees the messages that one put on the broker, though the
-    length it reads is cached (timings.QUEUE_TTL): else each claim in a burst would take the queue
-    for empty."""
-    family = Family("nobody_consumes_this_one")
-    probe = dispatcher.queues
-    monkeypatch.setattr(timings, "QUEUE_TTL", 60.0)
-    assert probe.queued(family) == 0  # read from Redis: no such list
-    probe.published(family, 3)
-    probe.published(family, 0)
-    assert probe.queued(family) == 3
-    monkeypatch.setattr(timings, "QUEUE_TTL", 0.0)
-    assert probe.queued(family) == 0  # read again: nothing was really sent
-
-
 def test_the_commit_listener_leaves_rows_to_a_busy_queue(
     dispatcher: Dispatcher,
     commands: Callable[..., str],
@@ -155,10 +138,8 @@ def test_the_commit_listener_leaves_rows_to_a_busy_queue(
 ) -> None:
     _clear_run_stats(database_url, schema)
     cmd = commands(family="plain")
-    family = dispatcher.families["plain"]
-    monkeypatch.setattr(timings, "QUEUE_TTL", 60.0)
-    dispatcher.queues.queued(family)  # read from Redis once; then count what is published
-    dispatcher.queues.published(family, dispatcher._consumers() * SPREAD)
+    busy = dispatcher._consumers() * SPREAD  # messages waiting: work for every consumer
+    monkeypatch.setattr(dispatcher.queues, "queued", lambda family: busy)
     with psycopg.connect(database_url) as conn, conn.transaction():
         dispatcher.enqueue(conn, cmd, {"n": 1})
     report = dispatcher.commit_listener().claim(["plain"])  # the claim a worker's listener runs
