@@ -19,12 +19,12 @@ from typing import Any
 
 import psycopg
 import pytest
-import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Message
 from outbox_dispatch.migrations import migrate
+from tests.conftest import drop_run
 
 from .conftest import worker_with_beat
 from .test_fault_processes import _wait
@@ -91,12 +91,7 @@ def env(acc_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
             " pid int, at timestamptz DEFAULT clock_timestamp())"
         )
     yield e
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    client = redis.Redis.from_url(e["OUTBOX_TEST_REDIS_URL"])
-    for key in client.scan_iter(f"{schema}:*"):
-        client.delete(key)
-    client.close()
+    drop_run(url, schema, e["OUTBOX_TEST_REDIS_URL"], f"{schema}:")
 
 
 def _enqueue(env: dict[str, str], msgs: list[Message]) -> list[int]:
