@@ -50,11 +50,11 @@ def switch_off(names: Iterable[str], dispatcher: Any) -> None:
     if unknown:
         raise SystemExit(f"OUTBOX_BENCH_OFF: unknown switches {sorted(unknown)}")
     if "template" in names:
-        from outbox_dispatch import publisher
+        from outbox_dispatch.claim import publisher
 
         setattr(publisher.Publisher, "_needs_celery_path", lambda self, queue: True)  # noqa: B010
     if "deferred" in names:
-        from outbox_dispatch import delivery
+        from outbox_dispatch.worker import delivery
 
         original = delivery.Delivery.deliver_message
 
@@ -64,15 +64,15 @@ def switch_off(names: Iterable[str], dispatcher: Any) -> None:
 
         setattr(delivery.Delivery, "deliver_message", no_defer)  # noqa: B010
     if "deferral" in names:
-        from outbox_dispatch import claimer
+        from outbox_dispatch.claim import claimer
 
         setattr(claimer, "claim_can_wait", lambda *a, **k: False)  # noqa: B010
     if "published" in names:
-        from outbox_dispatch import queues
+        from outbox_dispatch.claim import queues
 
         setattr(queues.QueueProbe, "published", lambda self, family, messages: None)  # noqa: B010
     if "ownprocess" in names:
-        from outbox_dispatch import listener
+        from outbox_dispatch.claim import listener
 
         def start_here(self: Any) -> None:
             self.threads = self.make()
@@ -86,7 +86,7 @@ def switch_off(names: Iterable[str], dispatcher: Any) -> None:
         setattr(listener.ListenerProcess, "start", start_here)  # noqa: B010
         setattr(listener.ListenerProcess, "stop", stop_here)  # noqa: B010
     if "youngslot" in names:
-        from outbox_dispatch import delivery
+        from outbox_dispatch.worker import delivery
 
         setattr(delivery, "slot_surely_left", lambda *a, **k: None)  # noqa: B010
 
@@ -330,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configs = [c for c in o.configs.split(",") if c]
     r = redis.Redis.from_url(bench.REDIS_URL)
-    from outbox_dispatch.migrations import migrate
+    from outbox_dispatch.store.migrations import migrate
 
     migrate(bench.DATABASE_URL, bench.SCHEMA)
     logdir = Path(tempfile.mkdtemp(prefix="outbox-ablation-"))

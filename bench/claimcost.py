@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import psycopg
 
 from bench.procs import say
-from outbox_dispatch.migrations import migrate
-from outbox_dispatch.naming import quoted
-from outbox_dispatch.policy import Family
+from outbox_dispatch.core.naming import quoted
+from outbox_dispatch.core.policy import Family
 from outbox_dispatch.store import Store
+from outbox_dispatch.store.migrations import migrate
 
 DUE = 500
 FAMILY = Family("bench", max_attempts=None, lease=60, max_in_flight=10 * DUE)

@@ -51,9 +51,9 @@ from psycopg.conninfo import make_conninfo
 
 from bench import procs as P
 from outbox_dispatch import Context, Dispatcher
-from outbox_dispatch.naming import quoted
-from outbox_dispatch.tables import table
-from outbox_dispatch.validation import Message
+from outbox_dispatch.core.naming import quoted
+from outbox_dispatch.core.tables import table
+from outbox_dispatch.core.validation import Message
 
 BASE_URL = os.environ.get(
     "OUTBOX_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"

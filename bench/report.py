@@ -9,7 +9,7 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from outbox_dispatch.tables import table
+from outbox_dispatch.core.tables import table
 
 # the scenarios the goals compare (issue 14); the outbox families are in bench/app.py
 PLAIN = "celery delay()"

@@ -64,7 +64,7 @@ from bench.report import (
     render,
     results_from_json,
 )
-from outbox_dispatch.validation import Message
+from outbox_dispatch.core.validation import Message
 
 SCENARIOS = ("throughput", "peers", "latency", "claimcost", "rss", "backpressure")
 PEERS = ("procrastinate", "django-celery-outbox")

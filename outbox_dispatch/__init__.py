@@ -4,9 +4,9 @@ Write a row with ``Dispatcher.enqueue`` in the same transaction as your business
 claimer moves due rows into Celery queues per family and workers deliver and settle them.
 """
 
-from .dispatcher import Dispatcher
-from .drain import DrainReport
-from .errors import (
+from outbox_dispatch.celery.tasks import EnqueuedTask, OutboxTask
+from outbox_dispatch.celery.transactions import using
+from outbox_dispatch.core.errors import (
     ConfigurationError,
     DatabaseError,
     DrainError,
@@ -29,12 +29,12 @@ from .errors import (
     UnknownCommand,
     UnknownFamily,
 )
-from .handlers import Context
-from .policy import Backoff, Family, LostAttempt
-from .settle import Outcome
-from .tasks import EnqueuedTask, OutboxTask
-from .transactions import using
-from .validation import Message
+from outbox_dispatch.core.handlers import Context
+from outbox_dispatch.core.policy import Backoff, Family, LostAttempt
+from outbox_dispatch.core.settle import Outcome
+from outbox_dispatch.core.validation import Message
+from outbox_dispatch.dispatcher import Dispatcher
+from outbox_dispatch.worker.drain import DrainReport
 
 __all__ = [
     "Backoff",

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from .adapters import check_database_url, database_target
-from .claimer import Claimer
-from .delivery import Delivery
-from .errors import ConfigurationError, UnknownDatabase
-from .logs import mask_dsn
-from .maintenance import Maintenance
-from .pool import Conn
-from .store import Store
+from outbox_dispatch.claim.claimer import Claimer
+from outbox_dispatch.core.errors import ConfigurationError, UnknownDatabase
+from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.store import Store
+from outbox_dispatch.store.adapters import check_database_url, database_target
+from outbox_dispatch.store.maintenance import Maintenance
+from outbox_dispatch.store.pool import Conn
+from outbox_dispatch.worker.delivery import Delivery
 
 DEFAULT = "default"  # the name of the one database given as ``database_url``
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")

@@ -14,16 +14,25 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import metrics, tasks, timings, tracing, wiring
-from .adapters import caller_connection
-from .bounds import MAX_COUNT, MAX_INTERVAL, MAX_ROW_ID, count_in, real_seconds, seconds_in
-from .caps import Caps
-from .claimer import Claimer, ClaimReport
-from .cron import CatchUp, Schedule
-from .databases import Database, database_urls, pick, split_message
-from .delivery import Delivery, Result
-from .drain import DrainReport, drain
-from .errors import (
+from outbox_dispatch.caps.semaphore import Caps
+from outbox_dispatch.celery import tasks, wiring
+from outbox_dispatch.celery.task_options import TaskCall
+from outbox_dispatch.claim.claimer import Claimer, ClaimReport
+from outbox_dispatch.claim.listener import CommitListener
+from outbox_dispatch.claim.publisher import Publisher, family_command
+from outbox_dispatch.claim.queues import QueueProbe
+from outbox_dispatch.claim.runstats import RunStats, RunTimes
+from outbox_dispatch.core import timings
+from outbox_dispatch.core.bounds import (
+    MAX_COUNT,
+    MAX_INTERVAL,
+    MAX_ROW_ID,
+    count_in,
+    real_seconds,
+    seconds_in,
+)
+from outbox_dispatch.core.cron import CatchUp, Schedule
+from outbox_dispatch.core.errors import (
     ConfigurationError,
     DatabaseUnavailable,
     InvalidArgument,
@@ -32,14 +41,10 @@ from .errors import (
     UnknownDatabase,
     UnknownFamily,
 )
-from .handlers import HandlerFn, Registration, Registry
-from .health import Breaker
-from .listener import CommitListener
-from .logs import about_database, event, mask_dsn
-from .maintenance import Maintenance
-from .migrations import migrate
-from .naming import command_name, family_name, identifier
-from .policy import (
+from outbox_dispatch.core.handlers import HandlerFn, Registration, Registry
+from outbox_dispatch.core.logs import about_database, event, mask_dsn
+from outbox_dispatch.core.naming import command_name, family_name, identifier
+from outbox_dispatch.core.policy import (
     Backoff,
     CapRule,
     Family,
@@ -49,15 +54,9 @@ from .policy import (
     family_is_capped,
     require_whole,
 )
-from .pool import Conn
-from .publisher import Publisher, family_command
-from .queues import QueueProbe
-from .rows import Claimed, FamilyStatus
-from .runstats import RunStats, RunTimes
-from .settle import Outcome
-from .store import Store
-from .task_options import TaskCall
-from .validation import (
+from outbox_dispatch.core.rows import Claimed, FamilyStatus
+from outbox_dispatch.core.settle import Outcome
+from outbox_dispatch.core.validation import (
     DEFAULT_PAYLOAD_LIMIT,
     Message,
     PreparedRow,
@@ -66,6 +65,16 @@ from .validation import (
     prepare,
     row_ids,
 )
+from outbox_dispatch.databases import Database, database_urls, pick, split_message
+from outbox_dispatch.observe import metrics, tracing
+from outbox_dispatch.store import Store
+from outbox_dispatch.store.adapters import caller_connection
+from outbox_dispatch.store.health import Breaker
+from outbox_dispatch.store.maintenance import Maintenance
+from outbox_dispatch.store.migrations import migrate
+from outbox_dispatch.store.pool import Conn
+from outbox_dispatch.worker.delivery import Delivery, Result
+from outbox_dispatch.worker.drain import DrainReport, drain
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -530,7 +539,7 @@ class Dispatcher:
             row_id = self._insert(db, raw, row)
             self._same_command(db.store, raw, row_id, task, call)
             if due_now and type(conn).__module__.startswith("django."):
-                from .contrib.django import wake_on_commit
+                from outbox_dispatch.celery.transactions import wake_on_commit
 
                 wake_on_commit(conn, self, [family])  # only when nobody listens
             return row_id

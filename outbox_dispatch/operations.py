@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 if TYPE_CHECKING:
-    from .dispatcher import Dispatcher
+    from outbox_dispatch.dispatcher import Dispatcher
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from .appload import load_dispatcher
-from .claimer import ClaimReport
-from .dispatcher import Dispatcher
-from .drain import DrainReport
-from .listener import CommitListener
+from outbox_dispatch.claim.claimer import ClaimReport
+from outbox_dispatch.claim.listener import CommitListener
+from outbox_dispatch.dispatcher import Dispatcher
+from outbox_dispatch.ops.appload import load_dispatcher
+from outbox_dispatch.worker.drain import DrainReport
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

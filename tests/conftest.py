@@ -11,7 +11,7 @@ import psycopg
 import pytest
 import redis
 
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.store.migrations import migrate
 
 DATABASE_URL = os.environ.get(
     "OUTBOX_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"

@@ -20,10 +20,10 @@ from typing import Any
 import psycopg
 import redis
 
+from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.core.tables import table
+from outbox_dispatch.core.validation import Message
 from outbox_dispatch.dispatcher import Dispatcher
-from outbox_dispatch.logs import mask_dsn
-from outbox_dispatch.tables import table
-from outbox_dispatch.validation import Message
 
 APP = "outbox_dispatch.demo.app"
 CHUNK = 250

@@ -14,7 +14,7 @@ from typing import IO, Any
 import psycopg
 import pytest
 
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.store.migrations import migrate
 from tests.conftest import drop_run
 
 from .browser import chrome
@@ -107,7 +107,7 @@ def worker_with_beat(app: str, beat_dir: Path, *extra: str, concurrency: int = 2
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "outbox_dispatch.cli", *args],
+        [sys.executable, "-m", "outbox_dispatch.ops.cli", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,

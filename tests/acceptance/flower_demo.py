@@ -39,7 +39,7 @@ def main(path: str) -> int:
         stderr=subprocess.DEVNULL,
     )
     demo = subprocess.Popen(
-        [sys.executable, "-m", "outbox_dispatch.cli", "demo", "--events", "--rows", "3000"],
+        [sys.executable, "-m", "outbox_dispatch.ops.cli", "demo", "--events", "--rows", "3000"],
         env=env,
     )
     try:

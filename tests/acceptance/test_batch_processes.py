@@ -15,7 +15,7 @@ import psycopg
 from celery import Celery
 
 from outbox_dispatch import Dispatcher, Message
-from outbox_dispatch.policy import Family
+from outbox_dispatch.core.policy import Family
 
 APP = "tests.acceptance.batch_app"
 

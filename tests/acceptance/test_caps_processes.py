@@ -19,8 +19,8 @@ import redis
 from celery import Celery
 
 from outbox_dispatch import Dispatcher, Message
-from outbox_dispatch.caps import Caps
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.caps.semaphore import Caps
+from outbox_dispatch.store.migrations import migrate
 from tests.acceptance.caps_families import declare_families
 
 CAPS_DB = 12

@@ -93,7 +93,8 @@ def test_json_cut_short_by_head_ends_quietly(clean_acc: dict[str, str]) -> None:
     )
     _insert(env, values)
     pipeline = subprocess.run(  # noqa: S602 (a fixed command line: the test is about the pipe)
-        f"{sys.executable} -m outbox_dispatch.cli parked list --json --limit 2000 | head -c 100",
+        f"{sys.executable} -m outbox_dispatch.ops.cli parked list --json --limit 2000"
+        " | head -c 100",
         shell=True,
         env=env,
         cwd=ROOT,

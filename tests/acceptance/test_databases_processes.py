@@ -17,7 +17,7 @@ import psycopg
 import pytest
 import redis
 
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.store.migrations import migrate
 from tests.acceptance.conftest import worker_with_beat
 from tests.conftest import count_rows
 from tests.faultproxy import FaultProxy

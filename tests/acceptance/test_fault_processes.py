@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 
 from outbox_dispatch import Dispatcher, Message
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.store.migrations import migrate
 
 from .test_lifecycle_processes import _query
 

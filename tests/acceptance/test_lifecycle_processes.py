@@ -20,7 +20,7 @@ import pytest
 from celery import Celery
 
 from outbox_dispatch import Dispatcher, Message
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.store.migrations import migrate
 
 CELERY = [sys.executable, "-m", "celery", "-A", "tests.acceptance.lifecycle_app"]
 

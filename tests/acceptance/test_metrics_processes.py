@@ -36,7 +36,7 @@ def test_prefork_worker_serves_the_sum_of_its_children(
     port = free_port()
     worker = spawn(
         [
-            sys.executable, "-m", "outbox_dispatch.cli", "worker",
+            sys.executable, "-m", "outbox_dispatch.ops.cli", "worker",
             "--metrics-port", str(port), "--metrics-dir", str(tmp_path / "prom"),
             "-B", "-c", "2", "--pool", "prefork", "--loglevel", "INFO",
             "-s", str(tmp_path / "beat"),
@@ -84,7 +84,7 @@ def test_metrics_command_serves_gauges(
     producer.close()
     port = free_port()
     server = spawn(
-        [sys.executable, "-m", "outbox_dispatch.cli", "metrics", "--port", str(port),
+        [sys.executable, "-m", "outbox_dispatch.ops.cli", "metrics", "--port", str(port),
          "--addr", "127.0.0.1"],
         env,
         "metrics",

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.store.migrations import migrate
 
 USER_APP = """
 from celery import Celery

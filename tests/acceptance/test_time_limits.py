@@ -23,7 +23,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Message
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.store.migrations import migrate
 from tests.conftest import drop_run
 
 from .conftest import worker_with_beat

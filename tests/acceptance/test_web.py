@@ -41,7 +41,7 @@ def test_an_operator_retries_a_parked_row_and_cancels_one_in_a_real_browser(
     assert refused.returncode == 2 and "never runs open" in refused.stderr
     port = free_port()
     spawn(
-        [sys.executable, "-m", "outbox_dispatch.cli", "web", "--port", str(port)],
+        [sys.executable, "-m", "outbox_dispatch.ops.cli", "web", "--port", str(port)],
         {**env, "OUTBOX_WEB_AUTH": "ops:s3cret"},
         "web",
     )

@@ -4,7 +4,7 @@ orchestrator sets (see ``workload.Settings``)."""
 
 from __future__ import annotations
 
-from outbox_dispatch.errors import ConfigurationError
+from outbox_dispatch.core.errors import ConfigurationError
 
 from .workload import Settings, build
 

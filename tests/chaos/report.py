@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from outbox_dispatch.tables import table
+from outbox_dispatch.core.tables import table
 
 from . import checks
 from .checks import Enqueued, Fate, Final, Kill, Run, Span, Verdict

@@ -33,8 +33,8 @@ from typing import Any, TextIO
 
 import psycopg
 
-from outbox_dispatch.errors import OutboxError
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.core.errors import OutboxError
+from outbox_dispatch.store.migrations import migrate
 
 from .checks import Enqueued, Final, Kill, Run, settle_limit
 from .fleet import POOLS, Fleet, Member

@@ -43,7 +43,7 @@ from typing import Any
 import psycopg
 import redis
 
-from outbox_dispatch.logs import event
+from outbox_dispatch.core.logs import event
 
 log = logging.getLogger(__name__)
 

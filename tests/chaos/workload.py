@@ -39,8 +39,8 @@ import psycopg
 from celery import Celery
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Message, PermanentFailure
-from outbox_dispatch.logs import event
-from outbox_dispatch.naming import quoted
+from outbox_dispatch.core.logs import event
+from outbox_dispatch.core.naming import quoted
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import pytest
 from celery import Celery
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.migrations import migrate
+from outbox_dispatch.store.migrations import migrate
 
 
 def url_of(database_url: str, name: str) -> str:

@@ -36,7 +36,7 @@ from outbox_dispatch import (
     PermanentFailure,
     RetryLater,
 )
-from outbox_dispatch.wiring import DELIVER_TASK
+from outbox_dispatch.celery.wiring import DELIVER_TASK
 from tests.conftest import count_rows
 
 from .conftest import Effects

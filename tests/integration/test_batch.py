@@ -11,10 +11,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_dispatch import Context, Dispatcher, Message, Outcome, timings
-from outbox_dispatch.claimer import Claimer, ClaimReport
-from outbox_dispatch.policy import SPREAD
-from outbox_dispatch.wiring import DELIVER_TASKS
+from outbox_dispatch import Context, Dispatcher, Message, Outcome
+from outbox_dispatch.celery.wiring import DELIVER_TASKS
+from outbox_dispatch.claim.claimer import Claimer, ClaimReport
+from outbox_dispatch.core import timings
+from outbox_dispatch.core.policy import SPREAD
 from tests.conftest import count_rows
 
 from .conftest import Effects, wait_for
@@ -407,7 +408,7 @@ def test_a_capped_batch_gives_each_slot_back_when_its_handler_returns(
     caps.release_settled = release_settled  # type: ignore[method-assign]
     dispatcher.store.settle_many = counted_settle_many  # type: ignore[method-assign]
     # the thread leaves what no start carried to the batch's end
-    monkeypatch.setattr("outbox_dispatch.timings.SETTLE_WINDOW", 5.0)
+    monkeypatch.setattr("outbox_dispatch.core.timings.SETTLE_WINDOW", 5.0)
     try:
         results = dispatcher.delivery.deliver_batch(
             [(c.id, c.token) for c in claimed], family_hint="cappedbatch", defer=True

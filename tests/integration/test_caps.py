@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Message, Outcome
-from outbox_dispatch.caps import Caps, Slot
+from outbox_dispatch.caps.semaphore import Caps, Slot
 from tests.chaos.services import PrivateRedis, free_port
 from tests.conftest import count_rows
 
@@ -438,7 +438,7 @@ def test_retrying_two_parked_rows_of_a_passing_line_keeps_it_moving(
 def test_a_running_handler_whose_slot_lapsed_is_told_to_stop(
     capped: Dispatcher, record: Callable[..., str], database_url: str, caps_url: str
 ) -> None:
-    from outbox_dispatch.heartbeat import Running
+    from outbox_dispatch.worker.heartbeat import Running
 
     cmd = record("capped")
     _enqueue(capped, database_url, [Message(cmd, {}, actor="H")])
@@ -609,7 +609,7 @@ def test_releases_sent_without_waiting_free_their_slots_and_lose_no_wake(
     caps_url: str, run_id: str
 ) -> None:
     """A release on the delivery path is written without waiting for Redis's answer
-    (caps_pipelined.py): the slot is free once Redis has read it, and the answer that says
+    (caps/releases.py): the slot is free once Redis has read it, and the answer that says
     "wake the claimer" is not lost, only read later, with the next release that waits."""
     caps = Caps(caps_url, f"t{run_id}async")
     caps.restore([])
@@ -678,7 +678,7 @@ def test_a_release_that_cannot_reach_redis_is_logged_and_the_slot_expires(
     """Redis unreachable: the release says so in the log and returns; the slot runs out with
     its lease (the cap stays safe), and the delivery goes on."""
     caps = Caps("redis://127.0.0.1:1/0", "tdown")
-    with caplog.at_level("WARNING", logger="outbox_dispatch.caps_pipelined"):
+    with caplog.at_level("WARNING", logger="outbox_dispatch.caps.releases"):
         assert caps.release_settled([Slot("f", "a", uuid.uuid4(), 1)], wait=False) == set()
     assert "slots free when their leases end" in caplog.text
     caps.close()

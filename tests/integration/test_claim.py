@@ -12,12 +12,12 @@ import pytest
 from psycopg.pq import TransactionStatus
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.claimer import Claimer, ClaimReport
-from outbox_dispatch.migrations import migrate
-from outbox_dispatch.policy import Family
-from outbox_dispatch.rows import Claimed
-from outbox_dispatch.settle import SettleKind
+from outbox_dispatch.claim.claimer import Claimer, ClaimReport
+from outbox_dispatch.core.policy import Family
+from outbox_dispatch.core.rows import Claimed
+from outbox_dispatch.core.settle import SettleKind
 from outbox_dispatch.store import Store, pipelined_transaction
+from outbox_dispatch.store.migrations import migrate
 from tests.conftest import count_rows
 
 

@@ -21,9 +21,9 @@ import redis
 from celery import Celery
 
 from outbox_dispatch import Context, Dispatcher, PermanentFailure
-from outbox_dispatch.cli import main as cli_main
-from outbox_dispatch.errors import ConfigurationError, UnknownDatabase
-from outbox_dispatch.settle import Outcome
+from outbox_dispatch.core.errors import ConfigurationError, UnknownDatabase
+from outbox_dispatch.core.settle import Outcome
+from outbox_dispatch.ops.cli import main as cli_main
 from tests.faultproxy import FaultProxy
 
 from ..conftest import count_rows
@@ -283,7 +283,7 @@ def test_max_in_flight_holds_per_database(
 def test_the_outbox_page_covers_every_database_and_acts_on_the_row_of_the_one_named(
     make_dispatcher: Callable[..., Dispatcher], shard_urls: dict[str, str], schema: str
 ) -> None:
-    from outbox_dispatch.web import WebApp
+    from outbox_dispatch.ops.web import WebApp
 
     from .test_web import call
 

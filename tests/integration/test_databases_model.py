@@ -26,8 +26,8 @@ from hypothesis.stateful import (
 )
 
 from outbox_dispatch import Context, Dispatcher
-from outbox_dispatch.rows import Claimed
-from outbox_dispatch.settle import Outcome
+from outbox_dispatch.core.rows import Claimed
+from outbox_dispatch.core.settle import Outcome
 
 NAMES = ("main", "eu", "us")
 ACTORS = ("A", "B")

@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from outbox_dispatch import Backoff, Context, Dispatcher, Message, Outcome, PermanentFailure
-from outbox_dispatch.cli import main as cli_main
-from outbox_dispatch.settle import SettleKind
+from outbox_dispatch.core.settle import SettleKind
+from outbox_dispatch.ops.cli import main as cli_main
 from tests.conftest import count_rows
 
 from .conftest import Effects
@@ -263,7 +263,7 @@ def test_deferred_settles_ride_on_the_next_start_and_stay_fenced(
         return settle_many(kind, pairs)
 
     dispatcher.store.settle_many = counting  # type: ignore[method-assign]
-    monkeypatch.setattr("outbox_dispatch.timings.SETTLE_WINDOW", 0.3)  # the thread waits
+    monkeypatch.setattr("outbox_dispatch.core.timings.SETTLE_WINDOW", 0.3)  # the thread waits
     try:
         claimed = _claim(dispatcher, "quick")
         assert [c.id for c in claimed] == [late, *ids]
@@ -370,7 +370,7 @@ def test_one_refused_settle_that_cannot_be_recorded_does_not_drop_the_others(
     recording the first fails (Postgres went away for that statement), the second is still
     recorded: the failure once ended the loop and the rest of the list was dropped."""
     schema = dispatcher.schema
-    monkeypatch.setattr("outbox_dispatch.timings.SETTLE_WINDOW", 60.0)  # the flush settles
+    monkeypatch.setattr("outbox_dispatch.core.timings.SETTLE_WINDOW", 60.0)  # the flush settles
 
     def asks_to_cancel_itself(ctx: Context, payload: Any) -> None:
         with psycopg.connect(database_url) as conn, conn.transaction():
@@ -414,7 +414,7 @@ def test_a_carried_settle_is_fenced_by_the_token_it_was_delivered_under(
     lost, not delivered."""
     schema = dispatcher.schema
     cmd = commands(family="quick")
-    monkeypatch.setattr("outbox_dispatch.timings.SETTLE_WINDOW", 60.0)  # the thread waits
+    monkeypatch.setattr("outbox_dispatch.core.timings.SETTLE_WINDOW", 60.0)  # the thread waits
     first = _enqueue(dispatcher, database_url, cmd)
     [old] = _claim(dispatcher, "quick")
     assert dispatcher.delivery.deliver(old.id, old.token, defer=True).outcome is Outcome.DELIVERED
@@ -424,7 +424,7 @@ def test_a_carried_settle_is_fenced_by_the_token_it_was_delivered_under(
         claimed = {c.id: c for c in _claim(dispatcher, "quick")}
         assert set(claimed) == {first, later}  # the first again: its attempt was lost
         new = claimed[first]
-        with caplog.at_level(logging.WARNING, logger="outbox_dispatch.delivery"):
+        with caplog.at_level(logging.WARNING, logger="outbox_dispatch.worker.delivery"):
             result = dispatcher.delivery.deliver(later, claimed[later].token, defer=True)
             assert result.outcome is Outcome.DELIVERED
             dispatcher.delivery.deferred.flush()  # what the start refused goes to the one-row path

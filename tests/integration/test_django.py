@@ -23,16 +23,12 @@ from django.db import connection, connections, transaction
 from django.test.utils import override_settings
 
 from outbox_dispatch import ConfigurationError, Dispatcher, Message, OutboxTask, OutsideTransaction
-from outbox_dispatch.contrib.django import (
-    NotInTransaction,
-    enqueue,
-    enqueue_many,
-)
+from outbox_dispatch.celery.wiring import CLAIM_TASK
+from outbox_dispatch.contrib.django import NotInTransaction, enqueue, enqueue_many
 from outbox_dispatch.contrib.django import database_url as database_url_of
 from outbox_dispatch.contrib.django.checks import database_problems
-from outbox_dispatch.logs import mask_dsn
-from outbox_dispatch.sqlfiles import migrations
-from outbox_dispatch.wiring import CLAIM_TASK
+from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.store.sqlfiles import migrations
 from tests.conftest import count_rows
 
 from .conftest import Effects

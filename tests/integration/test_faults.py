@@ -27,7 +27,7 @@ from outbox_dispatch import (
     OutboxError,
     Outcome,
 )
-from outbox_dispatch.rows import Claimed
+from outbox_dispatch.core.rows import Claimed
 from tests.conftest import count_rows
 from tests.faultproxy import FaultProxy
 

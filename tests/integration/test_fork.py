@@ -10,9 +10,10 @@ import os
 import threading
 import time
 
-from outbox_dispatch import Dispatcher, metrics
-from outbox_dispatch.health import Breaker
+from outbox_dispatch import Dispatcher
+from outbox_dispatch.observe import metrics
 from outbox_dispatch.store import Store
+from outbox_dispatch.store.health import Breaker
 
 FORK = multiprocessing.get_context("fork")
 

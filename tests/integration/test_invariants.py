@@ -29,9 +29,9 @@ from outbox_dispatch import (
     OutboxError,
     Outcome,
 )
-from outbox_dispatch.caps import Slot
-from outbox_dispatch.rows import Claimed
-from outbox_dispatch.settle import StopReason
+from outbox_dispatch.caps.semaphore import Slot
+from outbox_dispatch.core.rows import Claimed
+from outbox_dispatch.core.settle import StopReason
 from tests.conftest import count_rows
 
 Row = dict[str, Any]

@@ -25,7 +25,7 @@ from outbox_dispatch import (
     MaintenanceFailed,
     Outcome,
 )
-from outbox_dispatch.cron import CatchUp, due_ticks
+from outbox_dispatch.core.cron import CatchUp, due_ticks
 from tests.conftest import count_rows
 
 

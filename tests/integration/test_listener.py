@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.claimer import ClaimReport
-from outbox_dispatch.listener import CommitListener
+from outbox_dispatch.claim.claimer import ClaimReport
+from outbox_dispatch.claim.listener import CommitListener
 from tests.conftest import count_rows
 
 
@@ -210,8 +210,8 @@ def test_failing_claim_passes_back_off_and_a_pass_that_works_resets_them(
     """A broker that stays away fails every claim pass, and each pass claims and gives back a
     batch of rows: the listener waits longer after each failure (here 10, 20, 40 ms, then
     40), and once a pass works the next failure waits the first interval again."""
-    monkeypatch.setattr("outbox_dispatch.listener.RETRY_FIRST", 0.01)
-    monkeypatch.setattr("outbox_dispatch.listener.RETRY_MOST", 0.04)
+    monkeypatch.setattr("outbox_dispatch.claim.listener.RETRY_FIRST", 0.01)
+    monkeypatch.setattr("outbox_dispatch.claim.listener.RETRY_MOST", 0.04)
     outcomes = iter([False] * 4 + [True, False])  # False: the pass raises
     worked, done = threading.Event(), threading.Event()
 
@@ -226,7 +226,7 @@ def test_failing_claim_passes_back_off_and_a_pass_that_works_resets_them(
         return ClaimReport()
 
     listener = CommitListener(database_url, schema, dispatcher.store.channel, claim)
-    with caplog.at_level("ERROR", logger="outbox_dispatch.listener"):
+    with caplog.at_level("ERROR", logger="outbox_dispatch.claim.listener"):
         listener.start()
         try:
             assert worked.wait(10)

@@ -84,10 +84,10 @@ from outbox_dispatch import (
     Outcome,
     PermanentFailure,
 )
-from outbox_dispatch.delivery import LAPSED
-from outbox_dispatch.heartbeat import Running
-from outbox_dispatch.rows import Started
-from outbox_dispatch.settle import SettleKind, StopReason
+from outbox_dispatch.core.rows import Started
+from outbox_dispatch.core.settle import SettleKind, StopReason
+from outbox_dispatch.worker.delivery import LAPSED
+from outbox_dispatch.worker.heartbeat import Running
 
 # -- the families under test ----------------------------------------------------------------
 
@@ -691,7 +691,7 @@ class ModelMachine(RuleBasedStateMachine):
 
     def held_in_batch(self) -> set[str]:
         """Slots of the batched message's returned rows, whose releases the process wrote
-        without waiting for Redis's answer (caps_pipelined.py): Redis may not have run them
+        without waiting for Redis's answer (caps/releases.py): Redis may not have run them
         yet when the next row's checks look."""
         return {str(self.plan[rid][0].token) for rid in self.returned_in_batch()}
 

@@ -19,7 +19,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from outbox_dispatch import Context, Dispatcher, Message, PermanentFailure, metrics
+from outbox_dispatch import Context, Dispatcher, Message, PermanentFailure
+from outbox_dispatch.observe import metrics
 
 from ..conftest import count_rows
 

@@ -27,9 +27,9 @@ from outbox_dispatch import (
     Message,
     Outcome,
 )
-from outbox_dispatch.claimer import ClaimReport
-from outbox_dispatch.migrations import latest_version, migrate
-from outbox_dispatch.roles import apply_roles, role_sql
+from outbox_dispatch.claim.claimer import ClaimReport
+from outbox_dispatch.store.migrations import latest_version, migrate
+from outbox_dispatch.store.roles import apply_roles, role_sql
 
 REDIS_DB = 9
 
@@ -265,7 +265,7 @@ def test_apply_roles_names_the_roles_that_do_not_exist(database_url: str) -> Non
 def test_cli_prints_the_layout_and_applies_it(
     layout: tuple[str, str, str], database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from outbox_dispatch.cli import main
+    from outbox_dispatch.ops.cli import main
 
     mig, run, schema = layout
     base = ["--json", "roles", "--migrate-role", mig, "--runtime-role", run]

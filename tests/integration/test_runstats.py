@@ -10,7 +10,7 @@ import itertools
 import uuid
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.runstats import (
+from outbox_dispatch.claim.runstats import (
     READ_EVERY,
     READ_MISSING,
     REPORT_EVERY,

@@ -15,8 +15,8 @@ import pytest
 from celery import Celery
 
 from outbox_dispatch import Context, DatabaseError, Dispatcher, PermanentFailure
-from outbox_dispatch.claimer import ClaimReport
-from outbox_dispatch.settle import Outcome
+from outbox_dispatch.claim.claimer import ClaimReport
+from outbox_dispatch.core.settle import Outcome
 from tests.integration.conftest import dispatcher_under
 
 CLAIM_LOCK = "SELECT pg_advisory_xact_lock(hashtext(%s))"

@@ -28,7 +28,7 @@ from outbox_dispatch import (
     UnknownFamily,
     using,
 )
-from outbox_dispatch.wiring import DELIVER_TASKS
+from outbox_dispatch.celery.wiring import DELIVER_TASKS
 from tests.conftest import count_rows
 
 Calls = list[tuple[str, Any]]

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from outbox_dispatch import ConfigurationError, Dispatcher
-from outbox_dispatch.web import WebApp, parse_credentials
+from outbox_dispatch.ops.web import WebApp, parse_credentials
 from tests.conftest import count_rows
 
 AUTH = "Basic " + base64.b64encode(b"ops:s3cret").decode()

@@ -11,14 +11,14 @@ import psycopg
 from celery import Celery
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.timings import SAFETY_INTERVAL
-from outbox_dispatch.wiring import (
+from outbox_dispatch.celery.wiring import (
     CLAIM_ENTRY,
     CLAIM_TASK,
     DELIVER_ROW_TASK,
     DELIVER_TASK,
     DELIVER_TASKS,
 )
+from outbox_dispatch.core.timings import SAFETY_INTERVAL
 from tests.conftest import count_rows
 
 from .conftest import Effects

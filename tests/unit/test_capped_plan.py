@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox_dispatch.policy import Candidate, CapRule, plan_capped_claim
+from outbox_dispatch.core.policy import Candidate, CapRule, plan_capped_claim
 
 ACTORS = [None, "a", "b", "c", "d", "big"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_dispatch.errors import DatabaseUnavailable
-from outbox_dispatch.health import (
+from outbox_dispatch.core.errors import DatabaseUnavailable
+from outbox_dispatch.store.health import (
     FIRST_BACKOFF,
     MAX_BACKOFF,
     NEW_WORK_TIMEOUT,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox_dispatch.logs import MaskDsnFilter, event, mask_dsn
+from outbox_dispatch.core.logs import MaskDsnFilter, event, mask_dsn
 
 SECRET = "Zq9sEcReT"
 
@@ -136,7 +136,7 @@ BROKEN_URL = f"postgresql://app:{SECRET}@[broken/db"
 def test_cli_migrate_with_a_malformed_url_fails_cleanly_without_the_password(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from outbox_dispatch.cli import main
+    from outbox_dispatch.ops.cli import main
 
     assert main(["migrate", "--database-url", BROKEN_URL, "--schema", "od_never"]) == 2
     err = capsys.readouterr().err
@@ -147,11 +147,11 @@ def test_cli_migrate_with_a_malformed_url_fails_cleanly_without_the_password(
 def test_wake_listener_warning_does_not_quote_the_password(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from outbox_dispatch.claimer import ClaimReport
-    from outbox_dispatch.listener import CommitListener
+    from outbox_dispatch.claim.claimer import ClaimReport
+    from outbox_dispatch.claim.listener import CommitListener
 
     listener = CommitListener(BROKEN_URL, "outbox", "outbox_outbox", lambda f: ClaimReport())
-    with caplog.at_level(logging.WARNING, logger="outbox_dispatch.listener"):
+    with caplog.at_level(logging.WARNING, logger="outbox_dispatch.claim.listener"):
         listener.start()
         try:
             deadline = time.monotonic() + 5

@@ -17,12 +17,12 @@ from outbox_dispatch import (
     InvalidIdentifier,
     UnknownFamily,
 )
-from outbox_dispatch.delivery import parse_message
-from outbox_dispatch.logs import mask_dsn
-from outbox_dispatch.naming import identifier, quoted
-from outbox_dispatch.settle import BATCH_QUERY, QUERY
-from outbox_dispatch.sqlfiles import migrations, queries_for, raw_queries
-from outbox_dispatch.tables import table
+from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.core.naming import identifier, quoted
+from outbox_dispatch.core.settle import BATCH_QUERY, QUERY
+from outbox_dispatch.core.tables import table
+from outbox_dispatch.store.sqlfiles import migrations, queries_for, raw_queries
+from outbox_dispatch.worker.delivery import parse_message
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox_dispatch import Backoff, ConfigurationError, Family
-from outbox_dispatch.policy import (
+from outbox_dispatch.core.policy import (
     Verdict,
     batch_after_cancel,
     batch_after_claim,
@@ -100,8 +100,8 @@ def test_time_limit_must_be_positive_seconds(bad: object) -> None:
 def test_time_limits_go_on_the_message_with_a_hard_limit_past_the_soft_one() -> None:
     from uuid import uuid4
 
-    from outbox_dispatch.publisher import batch_options, message_options
-    from outbox_dispatch.rows import Claimed
+    from outbox_dispatch.claim.publisher import batch_options, message_options
+    from outbox_dispatch.core.rows import Claimed
 
     row = Claimed(1, uuid4(), "c", None, 1)
     assert "time_limit" not in message_options(Family("plain"), row, "q")
@@ -114,7 +114,7 @@ def test_time_limits_go_on_the_message_with_a_hard_limit_past_the_soft_one() -> 
 
 
 def test_broker_room_counts_queued_messages_as_rows() -> None:
-    from outbox_dispatch.policy import broker_room
+    from outbox_dispatch.core.policy import broker_room
 
     assert broker_room(100, 0, 1) == 100
     assert broker_room(100, 40, 1) == 60
@@ -123,7 +123,7 @@ def test_broker_room_counts_queued_messages_as_rows() -> None:
 
 
 def test_room_below_the_refill_mark_counts_as_none() -> None:
-    from outbox_dispatch.policy import broker_room, refill_mark
+    from outbox_dispatch.core.policy import broker_room, refill_mark
 
     assert refill_mark(1000) == 250
     assert refill_mark(3) == 1  # a tiny family still claims its one free row
@@ -134,7 +134,7 @@ def test_room_below_the_refill_mark_counts_as_none() -> None:
 
 
 def test_starts_wait_for_the_disk_only_where_a_lost_one_would_cost_more_than_a_flag() -> None:
-    from outbox_dispatch.policy import LostAttempt, starts_flushed
+    from outbox_dispatch.core.policy import LostAttempt, starts_flushed
 
     plain, parking = Family("plain"), Family("careful", on_lost=LostAttempt.PARK)
     assert not starts_flushed(plain, False)  # a lost start reruns flagged maybe_applied

@@ -15,9 +15,9 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from outbox_dispatch import Backoff, Family
-from outbox_dispatch.bounds import MAX_BACKOFF
-from outbox_dispatch.cron import MAX_TICKS, CatchUp, due_ticks
-from outbox_dispatch.policy import (
+from outbox_dispatch.core.bounds import MAX_BACKOFF
+from outbox_dispatch.core.cron import MAX_TICKS, CatchUp, due_ticks
+from outbox_dispatch.core.policy import (
     Candidate,
     CapRule,
     Verdict,

@@ -10,8 +10,8 @@ import pytest
 from celery import Celery, signals
 
 from outbox_dispatch import Dispatcher
-from outbox_dispatch.publisher import Publisher, message_options
-from outbox_dispatch.rows import Claimed
+from outbox_dispatch.claim.publisher import Publisher, message_options
+from outbox_dispatch.core.rows import Claimed
 
 
 class Recorder:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox_dispatch.policy import Backoff, CapRule, Family, cap_rule, family_is_capped
-from outbox_dispatch.settle import (
+from outbox_dispatch.core.policy import Backoff, CapRule, Family, cap_rule, family_is_capped
+from outbox_dispatch.core.settle import (
     QUERY,
     Outcome,
     SettleKind,
@@ -19,7 +19,7 @@ from outbox_dispatch.settle import (
     outcome,
     stop_error,
 )
-from outbox_dispatch.sqlfiles import raw_queries
+from outbox_dispatch.store.sqlfiles import raw_queries
 
 families = st.builds(
     Family,

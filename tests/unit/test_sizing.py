@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox_dispatch import ConfigurationError, Family
-from outbox_dispatch.policy import (
+from outbox_dispatch.core.policy import (
     ADAPTIVE_BATCH,
     LEASE_SHARE,
     SPREAD,

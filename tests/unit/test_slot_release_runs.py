@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from outbox_dispatch.caps import Slot
-from outbox_dispatch.caps_pipelined import runs
+from outbox_dispatch.caps.releases import runs
+from outbox_dispatch.caps.semaphore import Slot
 
 
 def test_held_releases_run_one_script_per_family_and_database_in_first_seen_order() -> None:

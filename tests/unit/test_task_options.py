@@ -13,10 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox_dispatch.errors import InvalidArgument, InvalidPayload
-from outbox_dispatch.policy import Family
-from outbox_dispatch.settle import SettleKind, retry_asked
-from outbox_dispatch.task_options import (
+from outbox_dispatch.celery.task_options import (
     IGNORED,
     REFUSED,
     decode_call,
@@ -24,6 +21,9 @@ from outbox_dispatch.task_options import (
     plan_call,
     retry_delay,
 )
+from outbox_dispatch.core.errors import InvalidArgument, InvalidPayload
+from outbox_dispatch.core.policy import Family
+from outbox_dispatch.core.settle import SettleKind, retry_asked
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 

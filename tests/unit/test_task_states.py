@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_dispatch.delivery import Result
-from outbox_dispatch.settle import Outcome
-from outbox_dispatch.task_states import Report, TaskState, task_state
+from outbox_dispatch.celery.task_states import Report, TaskState, task_state
+from outbox_dispatch.core.settle import Outcome
+from outbox_dispatch.worker.delivery import Result
 
 
 @pytest.mark.parametrize(

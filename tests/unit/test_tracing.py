@@ -9,8 +9,8 @@ SCRIPT = """
 from uuid import uuid4
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from outbox_dispatch import tracing
-from outbox_dispatch.rows import Started
+from outbox_dispatch.observe import tracing
+from outbox_dispatch.core.rows import Started
 
 row = Started(1, uuid4(), "intent", "c", None, {}, 1, False, None, False, 0.0, None)
 tracer, tracing._tracer = tracing._tracer, None  # building a span would fail here

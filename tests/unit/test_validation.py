@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox_dispatch import InvalidArgument, InvalidPayload, PayloadTooLarge
-from outbox_dispatch.validation import due_offset, encode_payload, prepare
+from outbox_dispatch.core.validation import due_offset, encode_payload, prepare
 
 json_values = st.recursive(
     st.none()

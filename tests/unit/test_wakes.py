@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox_dispatch.listener import family_of
+from outbox_dispatch.claim.listener import family_of
 
 
 def test_a_family_name_wakes_that_family() -> None:

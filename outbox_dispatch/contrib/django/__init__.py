@@ -36,11 +36,11 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.transaction import TransactionManagementError
 
-from ...dispatcher import Dispatcher
-from ...errors import OutboxError
-from ...validation import Message
-from .apps import get_dispatcher
-from .database import database_url
+from outbox_dispatch.celery.transactions import wake_on_commit
+from outbox_dispatch.contrib.django.apps import get_dispatcher
+from outbox_dispatch.contrib.django.database import database_url
+from outbox_dispatch.core.errors import OutboxError
+from outbox_dispatch.core.validation import Message
 
 __all__ = ["NotInTransaction", "database_url", "enqueue", "enqueue_many", "get_dispatcher"]
 
@@ -115,43 +115,3 @@ def _transaction_of(using: str, allow_autocommit: bool) -> Any:
 def _due_now(delay: timedelta | None, at: datetime | None) -> bool:
     """The same rule as the insert's NOTIFY: a delayed or scheduled row has nothing to wake."""
     return at is None and (delay is None or delay == timedelta(0))
-
-
-class _Wake:
-    """An ``on_commit`` callback: one claim pass for one family. A class, so that the
-    callbacks still pending in a transaction can be recognised."""
-
-    def __init__(self, dispatcher: Dispatcher, family: str, database: str) -> None:
-        self.dispatcher = dispatcher
-        self.family = family
-        self.database = database
-        # Django names a failing robust callback by its __qualname__
-        self.__qualname__ = f"outbox_dispatch wake of family {family!r}"
-
-    def __call__(self) -> None:
-        self.dispatcher.request_claim(self.family, self.database)
-
-
-def wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[str]) -> None:
-    wanted = sorted(set(families))
-    if not wanted or _listens(dispatcher):
-        return
-    if not connection.in_atomic_block and not connection.get_autocommit():
-        return  # manual transaction management: Django has no on_commit here
-    database = dispatcher.database_of(connection).name
-    # Callbacks of a rolled-back savepoint leave run_on_commit, so a family whose wake was
-    # discarded with it is registered again.
-    pending = {
-        entry[1].family
-        for entry in connection.run_on_commit
-        if isinstance(entry[1], _Wake) and entry[1].dispatcher is dispatcher
-    }
-    for family in wanted:
-        if family not in pending:
-            # in autocommit (allow_autocommit=True) on_commit runs the wake right away
-            connection.on_commit(_Wake(dispatcher, family, database), robust=True)
-
-
-def _listens(dispatcher: Dispatcher) -> bool:
-    """Whether the dispatcher's workers run the NOTIFY listener (``Dispatcher(listen=True)``)."""
-    return dispatcher.listen

@@ -10,9 +10,9 @@ from django.contrib import admin, messages
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 
-from ... import operations
-from .apps import get_dispatcher
-from .models import STATES, OutboxRow, bind_schema, readable
+from outbox_dispatch import operations
+from outbox_dispatch.contrib.django.apps import get_dispatcher
+from outbox_dispatch.contrib.django.models import STATES, OutboxRow, bind_schema, readable
 
 
 class StateFilter(admin.SimpleListFilter):  # type: ignore[misc]

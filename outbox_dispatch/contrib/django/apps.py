@@ -10,9 +10,9 @@ from django.apps import AppConfig
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from ...appload import load_dispatcher
-from ...dispatcher import Dispatcher
-from ...errors import ConfigurationError
+from outbox_dispatch.core.errors import ConfigurationError
+from outbox_dispatch.dispatcher import Dispatcher
+from outbox_dispatch.ops.appload import load_dispatcher
 
 SETTING = "OUTBOX_DISPATCHER"
 EXAMPLE = '"myproj.outbox:dispatcher"'

@@ -16,9 +16,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 from django.db.utils import load_backend
 
-from ...adapters import database_target, django_target
-from ...logs import mask_dsn
-from .apps import EXAMPLE, SETTING, configured_spec, get_dispatcher
+from outbox_dispatch.contrib.django.apps import EXAMPLE, SETTING, configured_spec, get_dispatcher
+from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.store.adapters import database_target, django_target
 
 TAG = "outbox_dispatch"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import ConfigurationError
+from outbox_dispatch.core.errors import ConfigurationError
 
 # Keys of a DATABASES entry's OPTIONS that belong to Django's backend, not to libpq.
 _DJANGO_ONLY = {

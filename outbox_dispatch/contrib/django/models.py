@@ -14,7 +14,7 @@ from django.db import models
 from django.db.models import F, Q, QuerySet, Value
 from django.db.models.functions import Cast, Now, NullIf
 
-from ...rows import STATE_WORDS, state_of
+from outbox_dispatch.core.rows import STATE_WORDS, state_of
 
 # The states an operator filters by (rows.STATE_WORDS), as conditions on the row.
 LIVE = Q(parked_at__isnull=True, cancelled_at__isnull=True, done_at__isnull=True)

@@ -8,11 +8,11 @@ from typing import Any
 import psycopg
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from .....errors import OutboxError
-from .....logs import mask_dsn
-from .....migrations import applied_versions, migrate
-from .....sqlfiles import Migration, migrations
-from ...apps import get_dispatcher
+from outbox_dispatch.contrib.django.apps import get_dispatcher
+from outbox_dispatch.core.errors import OutboxError
+from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.store.migrations import applied_versions, migrate
+from outbox_dispatch.store.sqlfiles import Migration, migrations
 
 
 class Command(BaseCommand):  # type: ignore[misc]

@@ -1,0 +1,1 @@
+"""Per-actor cap semaphores in Redis: acquire, renew, release and their rebuild."""

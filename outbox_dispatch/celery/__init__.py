@@ -1,0 +1,1 @@
+"""The Celery side: settings, tasks, beat entries, bootsteps, task states, OutboxTask."""

@@ -1,0 +1,359 @@
+"""Existing Celery tasks through the outbox, after one line: ``Celery("proj",
+task_cls=OutboxTask)`` for every task of the app, or ``@app.task(base=OutboxTask)`` for one.
+
+A call (``.delay()``, ``.apply_async()``) writes an outbox row in the caller's transaction
+instead of publishing; the row's delivery runs the task's own function with its args and
+kwargs, as the task's request would show them (``self.request.retries`` is the attempt,
+``self.retry()`` and ``autoretry_for`` retry the row). task_options.py decides what a call's
+options mean; this module does the writing and the running.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
+
+from outbox_dispatch.celery.task_options import TaskCall, decode_call, plan_call, retry_delay
+from outbox_dispatch.celery.transactions import bound, bound_database, django_transaction
+from outbox_dispatch.core.errors import (
+    ConfigurationError,
+    OutsideTransaction,
+    PermanentFailure,
+    ResultsNotSupported,
+    RetryLater,
+    UnknownFamily,
+)
+from outbox_dispatch.core.logs import event
+from outbox_dispatch.store.adapters import caller_connection
+
+if TYPE_CHECKING:
+    from outbox_dispatch.core.handlers import Context
+    from outbox_dispatch.dispatcher import Dispatcher
+
+log = logging.getLogger(__name__)
+
+# What a task call does when it finds no transaction (OutboxTask.outbox_outside).
+COMMIT, RAISE, CELERY = "commit", "raise", "celery"
+OUTSIDE = (COMMIT, RAISE, CELERY)
+
+_FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]{0,47}\Z")
+INTERNAL = ("celery.", "outbox.")  # Celery's own tasks and ours never go through the outbox
+
+
+class OutboxTask(Task):  # type: ignore[misc]
+    """A Celery task whose calls go through the outbox. Class attributes (or the same names
+    as ``@app.task(...)`` options) tune it:
+
+    ``outbox = False`` opts a task out: plain Celery. ``outbox_family`` names its family
+    (else the call's ``queue=``, the task's queue or route, else the dispatcher's
+    ``task_family``). ``outbox_outside``: a call outside any transaction ``"commit"``\\s its
+    row on its own (the default, as a plain call published at once), ``"raise"``\\s
+    OutsideTransaction, or goes through plain ``"celery"``.
+    """
+
+    outbox: bool = True
+    outbox_family: str | None = None
+    outbox_outside: str | None = None
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        def plain() -> Any:
+            return super(OutboxTask, self).apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+
+        if (
+            not self.outbox
+            or self.name.startswith(INTERNAL)
+            or self.app.conf.task_always_eager
+            or "retries" in options  # Celery's own retry of a call that ran as plain Celery
+        ):
+            return plain()  # opted out, eager (a shop's unit tests run the task inline), a retry
+        dispatcher = _dispatcher_of(self)
+        outside = self.outbox_outside or dispatcher.task_outside
+        try:
+            conn = _transaction(dispatcher)
+        except OutsideTransaction:
+            if outside == CELERY:
+                return plain()  # asked for: a call no outbox transaction can carry is Celery's
+            raise
+        if conn is None and outside == CELERY:
+            return plain()
+        if conn is None and outside == RAISE and not _from_beat(options):  # beat has none
+            raise OutsideTransaction(
+                f"{self.name} was called outside a transaction, and its outbox_outside is "
+                "'raise': call it inside `transaction.atomic()` (Django) or `with "
+                "outbox_dispatch.using(conn):` around an open transaction"
+            )
+        if self.typing and hasattr(self, "__header__"):
+            self.__header__(*(args or ()), **(kwargs or {}))  # a wrong call fails here, as Celery's
+        if getattr(self, "_dump_pydantic_arguments", None) is not None:
+            args, kwargs = self._dump_pydantic_arguments(args, kwargs)  # pydantic=True tasks
+        given = {"task_id": task_id, "link": link, "link_error": link_error, **options}
+        call = plan_call(
+            self.name,
+            args,
+            kwargs,
+            {k: v for k, v in given.items() if v is not None},
+            now=datetime.now(UTC),
+            tz=self.app.timezone,
+        )
+        family = task_family(dispatcher, self, call, args, kwargs)
+        row_id = dispatcher.enqueue_call(conn, self.name, call, family, bound_database())
+        return EnqueuedTask(call.task_id or f"outbox:{row_id}", row_id, self.name)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's retry; during an outbox delivery, a Retry returned rather than raised
+        (``throw=False``) is kept, so that the row is retried when the task returns, and an
+        error raised because max_retries ran out is marked so, for the parked row's reason."""
+        flags = getattr(self.request, "outbox_flags", None)
+        try:
+            ret = super().retry(*args, **kwargs)
+        except Retry:
+            raise
+        except Exception:
+            if flags is not None:
+                flags["retries_out"] = True
+            raise
+        if flags is not None:
+            flags["retry"] = ret
+        return ret
+
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """A call of the task inside an outbox delivery (``run_task``) keeps the delivery's
+        request (its id, retries, ``outbox``) under the call's own, as Celery >= 5.5 does;
+        only that call shares the delivery's retry marks (a nested call of the task gets its
+        own)."""
+        outer = self.request_stack.top
+        if not args and outer is not None and getattr(outer, "outbox", None) is not None:
+            own = getattr(outer, "outbox_depth", None) == 0
+            kwargs = {
+                **outer.__dict__,
+                "outbox_depth": 1 if own else 2,
+                "outbox_flags": outer.outbox_flags if own else {},
+                **kwargs,
+            }
+        super().push_request(*args, **kwargs)
+
+
+def _transaction(dispatcher: Dispatcher) -> object | None:
+    """The open transaction a call joins: the connection bound by ``using()`` (None when it
+    is in autocommit: nothing to join), else Django's on the outbox's database."""
+    conn = bound()
+    if conn is not None:
+        return None if caller_connection(conn).autocommit else conn
+    return django_transaction([db.url for db in dispatcher.databases.values()])
+
+
+def _from_beat(options: dict[str, Any]) -> bool:
+    """A periodic task sent by Celery beat (which marks its calls so): never in a
+    transaction, so its row is committed even where other calls must not be."""
+    headers = options.get("headers")
+    return isinstance(headers, dict) and bool(headers.get("celery_beat_task"))
+
+
+def _dispatcher_of(task: Any) -> Dispatcher:
+    dispatcher = getattr(task.app, "outbox_dispatcher", None)
+    if dispatcher is None:
+        raise ConfigurationError(
+            f"{task.name} is an OutboxTask, but Celery app {task.app.main!r} has no Dispatcher: "
+            "build outbox_dispatch.Dispatcher(app, ...) where the app is defined"
+        )
+    return dispatcher  # type: ignore[no-any-return]
+
+
+def task_family(dispatcher: Dispatcher, task: Any, call: TaskCall, args: Any, kwargs: Any) -> str:
+    """The family of a call: the call's ``queue=``, else the task's ``outbox_family``, its
+    ``queue`` or its ``task_routes`` route; a queue names a family of that name, and the
+    app's default queue the dispatcher's ``task_family``."""
+    queue = call.queue
+    if queue is None:
+        if task.outbox_family:
+            return _declared(dispatcher, task.name, task.outbox_family, "outbox_family")
+        queue = getattr(task, "queue", None) or _routed(task, args, kwargs)
+    prefix = dispatcher.queue_prefix + "."
+    if queue.startswith(prefix):
+        queue = queue[len(prefix) :]
+    if queue in dispatcher.families:
+        return queue
+    if queue == (task.app.conf.task_default_queue or "celery"):
+        return _declared(dispatcher, task.name, dispatcher.task_family, "task_family")
+    if queue == "claim" or not _FAMILY_NAME.match(queue):
+        raise UnknownFamily(
+            f"{task.name} is routed to queue {queue!r}, which no outbox family can be (family "
+            "names are 1-48 lower-case letters, digits or _, and the claim queue is the "
+            "outbox's own): route it to a family's name, or set the task's outbox_family"
+        )
+    raise UnknownFamily(
+        f"{task.name} is routed to queue {queue!r}, which is no outbox family: declare "
+        f"dispatcher.family({queue!r}) (its workers consume {dispatcher.queue_name(queue)!r}), "
+        "or set the task's outbox_family"
+    )
+
+
+def _routed(task: Any, args: Any, kwargs: Any) -> str:
+    """The queue Celery's router picks for the task (``task_routes``, else the default)."""
+    route = task.app.amqp.router.route({}, task.name, args, kwargs)
+    queue = route.get("queue")
+    name = getattr(queue, "name", queue)
+    return str(name or task.app.conf.task_default_queue or "celery")
+
+
+def _declared(dispatcher: Dispatcher, task: str, family: str, what: str) -> str:
+    if family not in dispatcher.families:
+        raise UnknownFamily(
+            f"{task}'s {what} {family!r} is not declared: add dispatcher.family({family!r}) "
+            "before the first call"
+        )
+    return family
+
+
+class EnqueuedTask:
+    """What a call through the outbox returns in place of an AsyncResult: the call's id (its
+    ``task_id=``, else ``outbox:<row id>``; the task sees it as ``self.request.id``) and its
+    row. There is no result to wait for: ``get()`` and the state raise at once."""
+
+    def __init__(self, task_id: str, row_id: int, name: str) -> None:
+        self.id = task_id
+        self.task_id = task_id
+        self.row_id = row_id
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.id
+
+    def __repr__(self) -> str:
+        return f"<EnqueuedTask {self.name}[{self.id}] row={self.row_id}>"
+
+    def _refuse(self) -> ResultsNotSupported:
+        return ResultsNotSupported(
+            f"{self.name}[{self.id}] went through the outbox (row {self.row_id}), which keeps "
+            "no task results: store the outcome where the task can write it, or opt the task "
+            "out with outbox=False"
+        )
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse()
+
+    wait = get
+
+    def ready(self) -> bool:
+        raise self._refuse()
+
+    @property
+    def state(self) -> str:
+        raise self._refuse()
+
+    status = state
+
+    @property
+    def result(self) -> Any:
+        raise self._refuse()
+
+
+def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: Any) -> None:
+    """A row of a task call: the task's own function with its args and kwargs, inside a
+    request like Celery's (``self.request.id`` the call's id, ``retries`` the attempts
+    before this one, ``outbox`` the delivery's Context, ``delivery_info`` the family's queue,
+    from ``queue_of``). The request is marked eager so
+    that ``self.retry()`` raises its Retry rather than publishing a message: the row is
+    retried instead, after the delay the Retry asked for."""
+    try:
+        call = decode_call(payload)
+    except ValueError as exc:
+        raise PermanentFailure(f"row {ctx.row_id} is not a call of {task.name}: {exc}") from exc
+    now = datetime.now(UTC)
+    if call.expires is not None and now >= call.expires:
+        event(
+            log,
+            logging.WARNING,
+            "task_expired",
+            f"{task.name} expired at {call.expires.isoformat()} before it ran: not run",
+            row_id=ctx.row_id,
+            family=ctx.family,
+            command=ctx.command,
+            attempt=ctx.attempt,
+        )
+        return
+    call_id = call.task_id or f"outbox:{ctx.row_id}"  # what the call returned as .id
+    flags: dict[str, Any] = {}  # what self.retry() left: shared by the requests pushed on ours
+    task.push_request(
+        id=call_id,
+        root_id=call_id,
+        retries=ctx.attempt - 1,
+        args=call.args,
+        kwargs=call.kwargs,
+        is_eager=True,
+        called_directly=False,
+        delivery_info={"exchange": "", "routing_key": queue_of(ctx.family)},
+        outbox=ctx,
+        outbox_flags=flags,
+        outbox_depth=0,  # the call's own request, pushed by Task.__call__, is depth 1
+    )
+    try:
+        if isinstance(task, OutboxTask):
+            task(*call.args, **call.kwargs)  # Celery's own call: current_task is the task
+        else:
+            task.run(*call.args, **call.kwargs)
+        kept = flags.get("retry")  # self.retry(throw=False)
+        if isinstance(kept, Retry):
+            raise kept
+    except Retry as retry:
+        raise _retry_later(task, retry, call.args, call.kwargs, now) from retry
+    except Ignore:
+        return  # Celery records nothing for an ignored task: the row is settled as done
+    except Reject as reject:
+        if reject.requeue:
+            raise RetryLater(
+                0.0, f"{task.name} rejected the call and asked to requeue it"
+            ) from None
+        raise PermanentFailure(f"{task.name} rejected the call: {reject.reason!r}") from reject
+    except (PermanentFailure, RetryLater):
+        raise
+    except Exception as exc:
+        if ctx.is_cancelled or type(exc).__name__ == "SoftTimeLimitExceeded":
+            raise  # told to stop (time limit, cancel, lost claim): the delivery decides
+        # Celery marks such a call FAILURE and does not run it again; its row is parked, to
+        # be retried or purged by hand, rather than lost
+        if flags.get("retries_out"):
+            why = f"its max_retries ({task.max_retries}) ran out"
+        else:
+            why = (
+                "not retried: the task did not call self.retry and autoretry_for does not cover it"
+            )
+        raise PermanentFailure(f"{type(exc).__name__}: {exc} ({why})") from exc
+    finally:
+        task.pop_request()
+
+
+def _retry_later(
+    task: Any, retry: Retry, args: list[Any], kwargs: dict[str, Any], now: datetime
+) -> Exception:
+    """The row's retry for a Celery Retry (``self.retry()`` or ``autoretry_for``), whose
+    max_retries check has passed: the next attempt is the retry it counted."""
+    sig = getattr(retry, "sig", None)
+    if sig is not None and (list(sig.args) != list(args) or dict(sig.kwargs) != dict(kwargs)):
+        return PermanentFailure(
+            f"{task.name} called self.retry() with new args or kwargs, which a row cannot "
+            "take: call the task anew with them instead"
+        )
+    delay = retry_delay(retry.when, task.default_retry_delay, now, task.app.timezone)
+    cause = retry.exc if isinstance(retry.exc, BaseException) else None
+    reason = f"{type(cause).__name__}: {cause}" if cause is not None else "self.retry()"
+    most = "" if task.max_retries is None else f" of {task.max_retries}"
+    return RetryLater(delay, f"{reason} (retry {int(task.request.retries) + 1}{most})")

@@ -1,0 +1,149 @@
+"""Which transaction a Celery task call belongs to, so that ``task.delay()`` writes its outbox
+row there: the connection bound with ``outbox_dispatch.using(conn)`` (psycopg, SQLAlchemy),
+else Django's connection to the outbox's database while it is in a transaction
+(``transaction.atomic()`` on any alias). Nothing here opens a connection.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+from outbox_dispatch.core.errors import OutsideTransaction
+from outbox_dispatch.store.adapters import caller_connection, database_target, django_target
+
+if TYPE_CHECKING:
+    from outbox_dispatch.dispatcher import Dispatcher
+
+_bound: ContextVar[tuple[object, str | None] | None] = ContextVar(
+    "outbox_dispatch_using", default=None
+)
+
+
+@contextmanager
+def using(conn: object, *, database: str | None = None) -> Iterator[None]:
+    """Task calls (``.delay()``, ``.apply_async()``) inside this block write their rows on
+    ``conn``, so they commit or roll back with the caller's transaction: a psycopg 3
+    connection, a SQLAlchemy Session or Connection, or a Django connection. ``database``
+    names which of the dispatcher's databases ``conn`` is, when a proxy hides it."""
+    caller_connection(conn)  # refuse what cannot carry a row now, not at the first call
+    token = _bound.set((conn, database))
+    try:
+        yield
+    finally:
+        _bound.reset(token)
+
+
+def bound() -> object | None:
+    found = _bound.get()
+    return None if found is None else found[0]
+
+
+def bound_database() -> str | None:
+    """The database named by the innermost ``using(..., database=)``, if any."""
+    found = _bound.get()
+    return None if found is None else found[1]
+
+
+def django_transaction(database_urls: Sequence[str]) -> Any | None:
+    """Django's connection (this thread's) to one of the outbox's databases when it is inside a
+    transaction, else None. A transaction open only on another database cannot carry the
+    row: that is refused, since writing the row apart from it would be a silent dual write."""
+    if "django.db" not in sys.modules:
+        return None
+    from django.conf import settings
+
+    if not settings.configured:
+        return None
+    from django.db import connections
+
+    ours, others = [], []
+    for conn in connections.all(initialized_only=True):
+        in_transaction = conn.in_atomic_block or (
+            conn.connection is not None and not conn.get_autocommit()
+        )
+        if not in_transaction:
+            continue
+        same = [same_database(conn.settings_dict, url) for url in database_urls]
+        # a service file or a default decides (None): taken as ours, the enqueue will tell
+        if conn.vendor == "postgresql" and (True in same or None in same):
+            ours.append(conn)
+        else:
+            others.append(conn)
+    if len(ours) > 1:
+        names = ", ".join(repr(c.alias) for c in ours)
+        raise OutsideTransaction(
+            f"Django databases {names} are all in a transaction on an outbox database: "
+            "say which one carries the task calls with `with outbox_dispatch.using("
+            "connections[alias]):`"
+        )
+    if ours:
+        # Django refuses queries in a transaction an error broke; the row bypasses its cursor
+        ours[0].validate_no_broken_transaction()
+        return ours[0]
+    if others:
+        names = ", ".join(repr(c.alias) for c in others)
+        raise OutsideTransaction(
+            f"this task call is inside a transaction on Django database {names}, which is "
+            "not the outbox's database, so its row cannot commit with that transaction: "
+            "keep the outbox in the same database as the data it follows, or call the task "
+            "outside that block"
+        )
+    return None
+
+
+def same_database(settings_dict: dict[str, Any], database_url: str) -> bool | None:
+    """Whether a Django DATABASES entry names the database of ``database_url``; None when
+    either side leaves it to a service file or libpq's defaults."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    ours = database_target(conninfo_to_dict(database_url))
+    theirs = django_target(settings_dict)
+    if ours is None or theirs is None:
+        return None
+    return theirs == ours
+
+
+class _Wake:
+    """An ``on_commit`` callback: one claim pass for one family. A class, so that the
+    callbacks still pending in a transaction can be recognised."""
+
+    def __init__(self, dispatcher: Dispatcher, family: str, database: str) -> None:
+        self.dispatcher = dispatcher
+        self.family = family
+        self.database = database
+        # Django names a failing robust callback by its __qualname__
+        self.__qualname__ = f"outbox_dispatch wake of family {family!r}"
+
+    def __call__(self) -> None:
+        self.dispatcher.request_claim(self.family, self.database)
+
+
+def wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[str]) -> None:
+    """After a Django transaction commits, ask for a claim of ``families`` (when no commit
+    listener hears the insert's NOTIFY): Django's own ``on_commit``, no import of Django."""
+    wanted = sorted(set(families))
+    if not wanted or _listens(dispatcher):
+        return
+    if not connection.in_atomic_block and not connection.get_autocommit():
+        return  # manual transaction management: Django has no on_commit here
+    database = dispatcher.database_of(connection).name
+    # Callbacks of a rolled-back savepoint leave run_on_commit, so a family whose wake was
+    # discarded with it is registered again.
+    pending = {
+        entry[1].family
+        for entry in connection.run_on_commit
+        if isinstance(entry[1], _Wake) and entry[1].dispatcher is dispatcher
+    }
+    for family in wanted:
+        if family not in pending:
+            # in autocommit (allow_autocommit=True) on_commit runs the wake right away
+            connection.on_commit(_Wake(dispatcher, family, database), robust=True)
+
+
+def _listens(dispatcher: Dispatcher) -> bool:
+    """Whether the dispatcher's workers run the NOTIFY listener (``Dispatcher(listen=True)``)."""
+    return dispatcher.listen

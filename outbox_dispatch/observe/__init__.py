@@ -1,0 +1,1 @@
+"""What the outbox tells the outside: Prometheus metrics and OpenTelemetry traces."""

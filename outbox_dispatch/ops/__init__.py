@@ -1,0 +1,1 @@
+"""Operator surfaces: the outbox-dispatch command, the web page, app loading."""

@@ -1,0 +1,435 @@
+"""``outbox-dispatch web``: the outbox's operator page, for shops without Django's admin.
+
+Per-family status (with queue length and oldest due age), parked rows with retry and purge,
+a row found by id, actor or dedupe key with its history, and cancel. A WSGI app on the
+standard library's server: nothing to install.
+
+It never runs open: every request needs the credentials it was started with (HTTP basic
+auth; it refuses to start without them), and it binds to loopback unless told otherwise.
+Actions are POST forms carrying a token derived from a per-process secret, and a request
+whose Origin is another site is refused, so another site cannot make an operator's browser
+act. The actions run operations.py, the CLI's own code.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import html
+import json
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+from outbox_dispatch import operations
+from outbox_dispatch.core.errors import ConfigurationError, OutboxError
+from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.core.rows import STATE_WORDS, history, state_of
+
+if TYPE_CHECKING:
+    from outbox_dispatch.dispatcher import Dispatcher
+
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+HEADERS = [
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'",
+    ),
+    ("X-Frame-Options", "DENY"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "same-origin"),
+    ("Cache-Control", "no-store"),
+]
+
+STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222 }
+nav a { margin-right: 1em } table { border-collapse: collapse; margin: .5em 0 1.5em }
+th, td { border-bottom: 1px solid #ddd; padding: .25em .6em; text-align: left;
+  vertical-align: top } th { background: #f4f4f4 } td.n { text-align: right }
+.msg { background: #eef6ee; border: 1px solid #9c9; padding: .5em; margin: .5em 0 }
+.warn { background: #fdf3e7; border-color: #e0a060 } form.inline { display: inline }
+pre { background: #f7f7f7; padding: .5em; white-space: pre-wrap; max-width: 60em }
+"""
+
+STATUS_COLUMNS = [
+    ("family", "family"),
+    ("due", "due"),
+    ("scheduled", "scheduled"),
+    ("in_flight", "in flight"),
+    ("queued", "queued"),
+    ("waiting", "waiting"),
+    ("blocked", "blocked"),
+    ("parked", "parked"),
+    ("oldest_due_age", "oldest due"),
+]
+
+
+def parse_credentials(text: str | None) -> tuple[str, str]:
+    """``user:password``, both non-empty; the page refuses to start without them."""
+    user, sep, password = (text or "").partition(":")
+    if not sep or not user or not password:
+        raise ConfigurationError(
+            "outbox-dispatch web needs credentials: set OUTBOX_WEB_AUTH=user:password (or "
+            "--auth user:password); the page never runs open"
+        )
+    return user, password
+
+
+class WebApp:
+    """The WSGI app. ``secret`` signs the action forms (random per process by default)."""
+
+    def __init__(
+        self, dispatcher: Dispatcher, *, user: str, password: str, secret: bytes | None = None
+    ) -> None:
+        if not user or not password:
+            raise ConfigurationError("the outbox page needs a user and a password")
+        self.dispatcher = dispatcher
+        self.user = user
+        self.password = password
+        self.secret = secret or secrets.token_bytes(32)
+        self.routes: dict[tuple[str, str], Callable[[dict[str, list[str]]], Page]] = {
+            ("GET", "/"): self.status,
+            ("GET", "/parked"): self.parked,
+            ("GET", "/rows"): self.rows,
+            ("POST", "/retry"): self.retry,
+            ("POST", "/purge"): self.purge,
+            ("POST", "/cancel"): self.cancel,
+        }
+
+    # -- WSGI --------------------------------------------------------------------------------
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if not self._authorized(environ.get("HTTP_AUTHORIZATION", "")):
+            start_response(
+                "401 Unauthorized",
+                [("WWW-Authenticate", 'Basic realm="outbox", charset="UTF-8"'), *HEADERS],
+            )
+            return [b"credentials needed"]
+        method = environ.get("REQUEST_METHOD", "GET")
+        path = environ.get("PATH_INFO", "/") or "/"
+        handler = self.routes.get((method, path))
+        if handler is None:
+            known = any(p == path for _m, p in self.routes)
+            status = "405 Method Not Allowed" if known else "404 Not Found"
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8"), *HEADERS])
+            return [status.encode()]
+        if method == "POST":
+            params = parse_qs(_body(environ), keep_blank_values=True)
+            refused = self._refused(environ, params)
+            if refused:
+                start_response("403 Forbidden", [("Content-Type", "text/plain"), *HEADERS])
+                return [refused.encode()]
+        else:
+            params = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+        try:
+            page = handler(params)
+        except OutboxError as exc:
+            page = Page("error", f'<p class="msg warn">{_e(mask_dsn(str(exc)))}</p>')
+        if page.redirect is not None:
+            start_response("303 See Other", [("Location", page.redirect), *HEADERS])
+            return [b""]
+        body = self._layout(page).encode()
+        start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"), *HEADERS])
+        return [body]
+
+    def _authorized(self, header: str) -> bool:
+        scheme, _, encoded = header.partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            given = base64.b64decode(encoded, validate=True).decode()
+        except (ValueError, UnicodeDecodeError):
+            return False
+        user, _, password = given.partition(":")
+        return hmac.compare_digest(user.encode(), self.user.encode()) & hmac.compare_digest(
+            password.encode(), self.password.encode()
+        )
+
+    def token(self) -> str:
+        return hmac.new(self.secret, b"outbox-web-actions", hashlib.sha256).hexdigest()
+
+    def _refused(self, environ: Mapping[str, Any], params: dict[str, list[str]]) -> str | None:
+        """Why a POST is refused: another site's Origin, or no valid form token."""
+        origin = environ.get("HTTP_ORIGIN")
+        host = environ.get("HTTP_HOST", "")
+        if origin and (origin == "null" or urlsplit(origin).netloc != host):
+            return f"refused: a form from {origin} may not act on this page"
+        if environ.get("HTTP_SEC_FETCH_SITE", "same-origin") not in ("same-origin", "none"):
+            return "refused: a form from another site may not act on this page"
+        given = (params.get("token") or [""])[0]
+        if not hmac.compare_digest(given.encode(), self.token().encode()):
+            return "refused: the form's token is missing or stale; reload the page"
+        return None
+
+    # -- pages ---------------------------------------------------------------------------------
+
+    def status(self, params: dict[str, list[str]]) -> Page:
+        d = self.dispatcher
+        queued = d.queue_lengths()
+        rows = []
+        for s in d.status():
+            rows.append(
+                {
+                    **s.__dict__,
+                    "queued": queued.get(s.family, "-"),
+                    "oldest_due_age": f"{s.oldest_due_age:.1f} s",
+                }
+            )
+        if self.several:
+            columns = [("database", "database"), *STATUS_COLUMNS]
+            link = {"parked": "/parked?family={family}&db={database}"}
+        else:
+            columns, link = STATUS_COLUMNS, {"parked": "/parked?family={family}"}
+        return Page("status", _search_form() + _table(rows, columns, link), self._message(params))
+
+    @property
+    def several(self) -> bool:
+        return self.dispatcher.several
+
+    def _database(self, params: dict[str, list[str]]) -> str | None:
+        """The database a request names (``db``), checked; None: every database (or, for row
+        ids, the only one)."""
+        name = _first(params, "db") or None
+        if name is not None and name not in self.dispatcher.databases:
+            raise OutboxError(f"no database {name!r} here")
+        return name
+
+    def parked(self, params: dict[str, list[str]]) -> Page:
+        family = _first(params, "family") or None
+        db = self._database(params)
+        rows = self.dispatcher.parked_list(family=family, limit=200, database=db)
+        if not rows:
+            body = "<p>no parked rows</p>"
+        else:
+            body = "<table><tr>" + ("<th>database</th>" if self.several else "")
+            body += "<th>id</th><th>family</th><th>command</th><th>actor</th>"
+            body += "<th>attempts</th><th>parked at</th><th>last error</th><th></th></tr>"
+            for r in rows:
+                where = self._where(r["database"])
+                body += (
+                    "<tr>"
+                    + (f"<td>{_e(r['database'])}</td>" if self.several else "")
+                    + f'<td><a href="/rows?q={r["id"]}{where}">{r["id"]}</a></td>'
+                    f"<td>{_e(r['family'])}</td><td>{_e(r['command'])}</td>"
+                    f"<td>{_e(r['actor'] or '-')}</td><td class=n>{r['attempts']}</td>"
+                    f"<td>{_when(r['parked_at'])}</td><td>{_e(_short(r['last_error']))}</td>"
+                    f"<td>{self._button('/retry', r['id'], 'retry', r['database'])}"
+                    f"{self._button('/purge', r['id'], 'purge', r['database'])}</td></tr>"
+                )
+            body += "</table>"
+        title = f"parked rows of {family}" if family else "parked rows"
+        return Page(title, body, self._message(params))
+
+    def _where(self, database: str) -> str:
+        """The query part naming a row's database, when there are several."""
+        return f"&db={_e(database)}" if self.several else ""
+
+    def rows(self, params: dict[str, list[str]]) -> Page:
+        q = _first(params, "q").strip()
+        if not q:
+            return Page("find a row", _search_form(), self._message(params))
+        families = sorted(self.dispatcher.families)
+        found = [
+            {**r, "database": db.name}
+            for db in self.dispatcher.chosen_databases(self._database(params))
+            for r in db.store.find_rows(q, families)
+        ]
+        if not found:
+            body = f"<p>no row has the id, actor or dedupe key {_e(q)!s}</p>"
+            return Page(f"rows for {q}", _search_form(q) + body, self._message(params))
+        now = datetime.now(UTC)
+        body = _search_form(q)
+        for r in found:
+            state = state_of(r, now)
+            where = f" in {_e(r['database'])}" if self.several else ""
+            body += f"<h2>row {r['id']}{where}: {_e(STATE_WORDS[state])}</h2><table>"
+            for key in ("family", "command", "actor", "dedupe_key", "attempts", "lost_attempts"):
+                body += f"<tr><th>{key}</th><td>{_e(r[key] if r[key] is not None else '-')}</td>"
+            body += "</table><h3>history</h3><table>"
+            for when, what in history(r):
+                body += f"<tr><td>{_when(when)}</td><td>{_e(what)}</td></tr>"
+            body += f"</table><h3>payload</h3><pre>{_e(_json(r['payload']))}</pre>"
+            if r["last_error"]:
+                body += f"<h3>last error</h3><pre>{_e(r['last_error'])}</pre>"
+            db = r["database"]
+            if state == "parked":
+                body += self._button("/retry", r["id"], "retry", db)
+                body += self._button("/purge", r["id"], "purge", db)
+            elif state not in ("done", "cancelled"):
+                body += self._button("/cancel", r["id"], "cancel", db)
+        return Page(f"rows for {q}", body, self._message(params))
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    def retry(self, params: dict[str, list[str]]) -> Page:
+        done = operations.retry_parked(self.dispatcher, _ids(params), None, self._database(params))
+        return self._after(params, done, "due again (attempts reset)")
+
+    def purge(self, params: dict[str, list[str]]) -> Page:
+        done = operations.purge_parked(self.dispatcher, _ids(params), None, self._database(params))
+        return self._after(params, done, "purged")
+
+    def cancel(self, params: dict[str, list[str]]) -> Page:
+        done = operations.cancel(
+            self.dispatcher,
+            _ids(params),
+            reason="cancelled on the outbox page",
+            by=f"outbox page: {self.user}",
+            database=self._database(params),
+        )
+        text = "cancelled" + (
+            f"; running, asked to stop: {done.requested}" if done.requested else ""
+        )
+        return self._after(params, done, text)
+
+    def _after(self, params: dict[str, list[str]], done: operations.Done, verb: str) -> Page:
+        """Post/redirect/get: back to the row (or the parked list) with what happened, signed
+        so that a link cannot put words of its own on the page."""
+        rows = "1 row" if len(done.ids) == 1 else f"{len(done.ids)} rows"
+        ok, warn = f"{rows} {verb}", "; ".join(done.reasons)
+        query = {"ok": ok, "warn": warn, "sig": self._sign(ok, warn)}
+        ids = _ids(params)
+        db = self._database(params)
+        target = f"/rows?q={ids[0]}" if len(ids) == 1 and verb != "purged" else "/parked"
+        if db is not None and self.several:
+            query = {"db": db, **query}
+        sep = "&" if "?" in target else "?"
+        return Page("", redirect=f"{target}{sep}{urlencode({k: v for k, v in query.items() if v})}")
+
+    def _sign(self, ok: str, warn: str) -> str:
+        text = f"{ok}\n{warn}".encode()
+        return hmac.new(self.secret, b"message:" + text, hashlib.sha256).hexdigest()
+
+    def _message(self, params: dict[str, list[str]]) -> list[tuple[str, bool]]:
+        ok, warn, sig = _first(params, "ok"), _first(params, "warn"), _first(params, "sig")
+        if not (ok or warn) or not hmac.compare_digest(sig.encode(), self._sign(ok, warn).encode()):
+            return []
+        return [(m, False) for m in [ok] if m] + [(m, True) for m in [warn] if m]
+
+    def _button(self, action: str, row_id: int, label: str, database: str) -> str:
+        db = f'<input type="hidden" name="db" value="{_e(database)}">' if self.several else ""
+        return (
+            f'<form class="inline" method="post" action="{action}">'
+            f'<input type="hidden" name="token" value="{self.token()}">'
+            f'<input type="hidden" name="id" value="{row_id}">{db}'
+            f'<button type="submit" name="do" value="{label}">{label} row {row_id}</button></form>'
+        )
+
+    def _layout(self, page: Page) -> str:
+        flash = "".join(
+            f'<p class="msg{" warn" if warn else ""}">{_e(text)}</p>' for text, warn in page.flash
+        )
+        return (
+            "<!doctype html><html lang=en><head><meta charset=utf-8>"
+            f"<title>outbox: {_e(page.title)}</title><style>{STYLE}</style></head><body>"
+            '<nav><a href="/">status</a><a href="/parked">parked</a><a href="/rows">find a row</a>'
+            f"<span>schema {_e(self.dispatcher.schema)}</span></nav>"
+            f"<h1>{_e(page.title)}</h1>{flash}{page.body}</body></html>"
+        )
+
+
+class Page:
+    """What a handler produced: a page to show, or where to send the browser."""
+
+    def __init__(
+        self,
+        title: str,
+        body: str = "",
+        flash: Sequence[tuple[str, bool]] = (),
+        redirect: str | None = None,
+    ) -> None:
+        self.title = title
+        self.body = body
+        self.flash = list(flash)
+        self.redirect = redirect
+
+
+def _ids(params: dict[str, list[str]]) -> list[int]:
+    ids = []
+    for value in params.get("id", []):
+        if not (value.isascii() and value.isdigit()) or len(value) > 18:
+            raise OutboxError(f"{value!r} is not a row id")
+        ids.append(int(value))
+    if not ids:
+        raise OutboxError("no row named: pick a row first")
+    return ids
+
+
+def _body(environ: Mapping[str, Any]) -> str:
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    data: bytes = environ["wsgi.input"].read(min(length, 64 * 1024)) if length > 0 else b""
+    return data.decode("utf-8", "replace")
+
+
+def _table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[tuple[str, str]],
+    link: Mapping[str, str] | None = None,
+) -> str:
+    out = "<table><tr>" + "".join(f"<th>{_e(label)}</th>" for _k, label in columns) + "</tr>"
+    for r in rows:
+        out += "<tr>"
+        for key, _label in columns:
+            value = r.get(key)
+            cell = _e("-" if value is None else value)
+            if link and key in link and value:
+                cell = f'<a href="{_e(link[key].format(**r))}">{cell}</a>'
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            out += f"<td{' class=n' if numeric else ''}>{cell}</td>"
+        out += "</tr>"
+    return out + "</table>"
+
+
+def _search_form(q: str = "") -> str:
+    return (
+        '<form method="get" action="/rows"><label>row id, actor or dedupe key '
+        f'<input name="q" value="{_e(q)}" size="40"></label> <button>find</button></form>'
+    )
+
+
+def _first(params: dict[str, list[str]], key: str) -> str:
+    return (params.get(key) or [""])[0]
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.isoformat(timespec="seconds")
+
+
+def _short(text: str | None) -> str:
+    text = text or ""
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+
+
+def serve(app: WebApp, host: str, port: int, ready: Callable[[], None] = lambda: None) -> None:
+    """Serve until interrupted, one thread per request; ``ready`` once it listens (a port it
+    cannot bind raises OSError before)."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class Quiet(WSGIRequestHandler):
+        timeout = 10  # a client that stalls mid-request gives its thread back
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    with make_server(host, port, app, server_class=Server, handler_class=Quiet) as server:
+        ready()
+        server.serve_forever()

@@ -1,0 +1,114 @@
+"""Connection pools, opened lazily and rebuilt after a fork: Celery's prefork children must not
+share their parent's sockets. Two per process: the main pool (claims, starts, heartbeats,
+settles: short statements) and the handlers' pool (transactional handlers' transactions,
+which last as long as the handler), so a long handler never starves the others."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from outbox_dispatch.core.forksafe import ForkSafeLock
+from outbox_dispatch.core.logs import MaskDsnFilter
+from outbox_dispatch.store.sqlfiles import raw_queries
+
+Conn = psycopg.Connection[Any]
+
+_POOL_FILTER = MaskDsnFilter()
+
+
+def _mask_pool_logs() -> None:
+    """psycopg_pool logs connection failures with the driver's message, which can quote the
+    URL (and its password) it could not parse."""
+    pool_log = logging.getLogger("psycopg.pool")
+    if _POOL_FILTER not in pool_log.filters:
+        pool_log.addFilter(_POOL_FILTER)
+
+
+def _session(conn: Conn) -> None:
+    """Every session of our pools, whatever the server's, role's, URL's or pooler's defaults
+    (session.sql's session_defaults):
+
+    - READ COMMITTED, for transaction blocks and for lone statements alike: a claim counts
+      what is in flight after it holds the family lock, so its statements need snapshots
+      taken after the lock, not at the transaction's first statement (under REPEATABLE READ
+      it would lease past max_in_flight, or fail to serialize); a lone UPDATE (a start, a
+      settle) must not fail on a row another session changed meanwhile; and a
+      transactional handler's settle must serialize with the heartbeat's renewal of its row,
+      made from another connection while the handler runs.
+    - Dates and intervals in the formats psycopg parses (DateStyle ISO, IntervalStyle
+      postgres): a capped claim reads its candidates' due times.
+    - No ``idle_session_timeout``: a pooled connection waits idle between statements."""
+    q = raw_queries()
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED  # psycopg's BEGIN says so
+    conn.execute(q["session_defaults"])
+
+
+def _main_session(conn: Conn) -> None:
+    """The main pool's sessions: as every pool's (``_session``), and commits that wait for the
+    disk, locally where the default is ``synchronous_commit=off``: a retry, park, cancel or
+    ordered settle lost in a crash of Postgres would run its row again. The writes that need
+    not wait say so per transaction (settle_without_flush, and the claim or the start,
+    whichever does not flush: guarantees.md)."""
+    q = raw_queries()
+    _session(conn)
+    conn.execute(q["session_commits_flush"])
+
+
+class Pools:
+    def __init__(
+        self,
+        database_url: str,
+        schema: str,
+        *,
+        pool_size: int = 4,
+        handler_pool_size: int = 32,
+        main_options: dict[str, str] | None = None,
+    ) -> None:
+        self.database_url = database_url
+        self.schema = schema
+        self.main_options = main_options or {}  # libpq settings of the main pool only
+        self._sizes = {"outbox": (1, pool_size), "handlers": (0, handler_pool_size)}
+        self._pools: dict[str, ConnectionPool] = {}
+        self._pid = 0
+        self._lock = ForkSafeLock()
+
+    def main(self) -> ConnectionPool:
+        return self._get("outbox")
+
+    def handlers(self) -> ConnectionPool:
+        return self._get("handlers")
+
+    def _get(self, role: str) -> ConnectionPool:
+        pool = self._pools.get(role) if self._pid == os.getpid() else None
+        if pool is not None:
+            return pool
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's pools are not ours
+                self._pools = {}
+                self._pid = os.getpid()
+            if role not in self._pools:
+                _mask_pool_logs()
+                low, high = self._sizes[role]
+                extra = self.main_options if role == "outbox" else {}
+                self._pools[role] = ConnectionPool(
+                    self.database_url,
+                    min_size=low,
+                    max_size=high,
+                    kwargs={"autocommit": True, **extra},
+                    configure=_main_session if role == "outbox" else _session,
+                    open=True,
+                    name=f"{role}-{self.schema}",
+                )
+            return self._pools[role]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                for pool in self._pools.values():
+                    pool.close()
+            self._pools = {}

@@ -1,0 +1,1 @@
+"""Running a delivery message in a pool process: start, handler, heartbeat, settle."""
