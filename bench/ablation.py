@@ -86,9 +86,9 @@ def switch_off(names: Iterable[str], dispatcher: Any) -> None:
         setattr(listener.ListenerProcess, "start", start_here)  # noqa: B010
         setattr(listener.ListenerProcess, "stop", stop_here)  # noqa: B010
     if "youngslot" in names:
-        from outbox_dispatch.worker import delivery
+        from outbox_dispatch.worker import slots
 
-        setattr(delivery, "slot_surely_left", lambda *a, **k: None)  # noqa: B010
+        setattr(slots, "slot_surely_left", lambda *a, **k: None)  # noqa: B010
 
 
 @dataclass

@@ -339,11 +339,11 @@ def claim_all(d: Dispatcher, names: list[str], rows: int, parallel: bool) -> flo
     def loop(database: str | None, target: int) -> None:
         done = idle = 0
         while done < target:
-            got = d.claim_and_publish([CLAIM_FAMILY], database=database).total
+            got = d.runtime.claim_and_publish([CLAIM_FAMILY], database=database).total
             done += got
             idle = 0 if got else idle + 1
             if idle >= 20:  # 20 empty passes: something holds the claims back
-                status = [s for s in d.status(database) if s.family == CLAIM_FAMILY]
+                status = [s for s in d.ops.status(database) if s.family == CLAIM_FAMILY]
                 raise RuntimeError(
                     f"claims stuck at {done}/{target} in {database or 'every database'}: {status}"
                 )

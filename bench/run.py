@@ -389,7 +389,7 @@ def backpressure(
         """Claimer's in-flight count and queue length, 5 times a second, off the main loop."""
         while not stop_sampling.wait(0.2):
             try:
-                fam = next(s for s in bench.dispatcher.status() if s.family == "bp")
+                fam = next(s for s in bench.dispatcher.ops.status() if s.family == "bp")
                 seen["in_flight"] = max(seen["in_flight"], fam.in_flight)
                 seen["queued"] = max(seen["queued"], int(r.llen("outbox.bp")))
             except Exception as exc:  # keep sampling; say why once in a while

@@ -9,6 +9,7 @@ from outbox_dispatch.celery.transactions import using
 from outbox_dispatch.core.errors import (
     ConfigurationError,
     DatabaseError,
+    DatabaseUnavailable,
     DrainError,
     DrainLoop,
     DrainTimeout,
@@ -27,6 +28,7 @@ from outbox_dispatch.core.errors import (
     SchemaNotReady,
     StatementCancelled,
     UnknownCommand,
+    UnknownDatabase,
     UnknownFamily,
 )
 from outbox_dispatch.core.handlers import Context
@@ -34,6 +36,7 @@ from outbox_dispatch.core.policy import Backoff, Family, LostAttempt
 from outbox_dispatch.core.settle import Outcome
 from outbox_dispatch.core.validation import Message
 from outbox_dispatch.dispatcher import Dispatcher
+from outbox_dispatch.settings import Settings
 from outbox_dispatch.worker.drain import DrainReport
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "ConfigurationError",
     "Context",
     "DatabaseError",
+    "DatabaseUnavailable",
     "Dispatcher",
     "DrainError",
     "DrainLoop",
@@ -65,8 +69,10 @@ __all__ = [
     "ResultsNotSupported",
     "RetryLater",
     "SchemaNotReady",
+    "Settings",
     "StatementCancelled",
     "UnknownCommand",
+    "UnknownDatabase",
     "UnknownFamily",
     "using",
 ]

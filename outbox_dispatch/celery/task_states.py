@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from outbox_dispatch.core.settle import Outcome
-from outbox_dispatch.worker.delivery import Result
+from outbox_dispatch.worker.messages import Result
 
 
 class Report(StrEnum):

@@ -20,9 +20,15 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
 from outbox_dispatch.celery.task_options import TaskCall, decode_call, plan_call, retry_delay
-from outbox_dispatch.celery.transactions import bound, bound_database, django_transaction
+from outbox_dispatch.celery.transactions import (
+    bound,
+    bound_database,
+    django_transaction,
+    wake_on_commit,
+)
 from outbox_dispatch.core.errors import (
     ConfigurationError,
+    InvalidArgument,
     OutsideTransaction,
     PermanentFailure,
     ResultsNotSupported,
@@ -30,11 +36,14 @@ from outbox_dispatch.core.errors import (
     UnknownFamily,
 )
 from outbox_dispatch.core.logs import event
+from outbox_dispatch.observe import tracing
 from outbox_dispatch.store.adapters import caller_connection
+from outbox_dispatch.store.pool import Conn
 
 if TYPE_CHECKING:
     from outbox_dispatch.core.handlers import Context
     from outbox_dispatch.dispatcher import Dispatcher
+    from outbox_dispatch.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +94,7 @@ class OutboxTask(Task):  # type: ignore[misc]
         ):
             return plain()  # opted out, eager (a shop's unit tests run the task inline), a retry
         dispatcher = _dispatcher_of(self)
-        outside = self.outbox_outside or dispatcher.task_outside
+        outside = self.outbox_outside or dispatcher.settings.task_outside
         try:
             conn = _transaction(dispatcher)
         except OutsideTransaction:
@@ -114,7 +123,7 @@ class OutboxTask(Task):  # type: ignore[misc]
             tz=self.app.timezone,
         )
         family = task_family(dispatcher, self, call, args, kwargs)
-        row_id = dispatcher.enqueue_call(conn, self.name, call, family, bound_database())
+        row_id = write_call(dispatcher, conn, self.name, call, family, bound_database())
         return EnqueuedTask(call.task_id or f"outbox:{row_id}", row_id, self.name)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
@@ -186,13 +195,13 @@ def task_family(dispatcher: Dispatcher, task: Any, call: TaskCall, args: Any, kw
         if task.outbox_family:
             return _declared(dispatcher, task.name, task.outbox_family, "outbox_family")
         queue = getattr(task, "queue", None) or _routed(task, args, kwargs)
-    prefix = dispatcher.queue_prefix + "."
+    prefix = dispatcher.settings.queue_prefix + "."
     if queue.startswith(prefix):
         queue = queue[len(prefix) :]
     if queue in dispatcher.families:
         return queue
     if queue == (task.app.conf.task_default_queue or "celery"):
-        return _declared(dispatcher, task.name, dispatcher.task_family, "task_family")
+        return _declared(dispatcher, task.name, dispatcher.settings.task_family, "task_family")
     if queue == "claim" or not _FAMILY_NAME.match(queue):
         raise UnknownFamily(
             f"{task.name} is routed to queue {queue!r}, which no outbox family can be (family "
@@ -357,3 +366,55 @@ def _retry_later(
     reason = f"{type(cause).__name__}: {cause}" if cause is not None else "self.retry()"
     most = "" if task.max_retries is None else f" of {task.max_retries}"
     return RetryLater(delay, f"{reason} (retry {int(task.request.retries) + 1}{most})")
+
+
+def write_call(
+    dispatcher: Dispatcher,
+    conn: object,
+    task: str,
+    call: TaskCall,
+    family: str,
+    database: str | None = None,
+) -> int:
+    """The row of a task call on the caller's connection; with ``conn=None``, in a transaction
+    of its own, committed before this returns (``task_outside="commit"``)."""
+    d = dispatcher
+    row = d.prepare_row(
+        task,
+        call.payload,
+        call.actor,
+        call.dedupe_key,
+        call.delay,
+        call.at,
+        family,
+        trace_json=tracing.current_context_json(),
+    )
+    due_now = call.delay is None and call.at is None
+    if conn is not None:
+        raw = caller_connection(conn)
+        db = d.database_for(conn, raw, database)
+        row_id = d.insert_row(db, raw, row)
+        _same_command(db.store, raw, row_id, task, call)
+        if due_now and type(conn).__module__.startswith("django."):
+            wake_on_commit(conn, d, [family])  # only when nobody listens
+        return row_id
+    first = d.database()  # outside any transaction: the first database's outbox
+    with first.store.connection() as own:
+        row_id = d.insert_row(first, own, row)
+        _same_command(first.store, own, row_id, task, call)
+    if not d.settings.listen and due_now:
+        d.runtime.request_claim(family)  # committed: the NOTIFY wakes only a listener
+    return row_id
+
+
+def _same_command(store: Store, conn: Conn, row_id: int, task: str, call: TaskCall) -> None:
+    """A dedupe key already held by another command's row would hand this call that row:
+    refused, so that one task's call is never silently taken for another's."""
+    if call.dedupe_key is None:
+        return
+    holder = store.command_of(conn, row_id)
+    if holder is not None and holder != task:
+        raise InvalidArgument(
+            f"{task}: dedupe key {call.dedupe_key!r} is held by row {row_id} of "
+            f"{holder!r}; give each task's calls keys of their own"
+        )

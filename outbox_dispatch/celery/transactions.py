@@ -119,7 +119,7 @@ class _Wake:
         self.__qualname__ = f"outbox_dispatch wake of family {family!r}"
 
     def __call__(self) -> None:
-        self.dispatcher.request_claim(self.family, self.database)
+        self.dispatcher.runtime.request_claim(self.family, self.database)
 
 
 def wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[str]) -> None:
@@ -146,4 +146,4 @@ def wake_on_commit(connection: Any, dispatcher: Dispatcher, families: Iterable[s
 
 def _listens(dispatcher: Dispatcher) -> bool:
     """Whether the dispatcher's workers run the NOTIFY listener (``Dispatcher(listen=True)``)."""
-    return dispatcher.listen
+    return dispatcher.settings.listen

@@ -21,7 +21,7 @@ from outbox_dispatch.core import timings
 
 if TYPE_CHECKING:
     from outbox_dispatch.claim.listener import CommitListener
-    from outbox_dispatch.worker.delivery import Result
+    from outbox_dispatch.worker.messages import Result
 
 DELIVER_TASK = "outbox.deliver"  # every delivery message: one row, or a batch of them
 DELIVER_ROW_TASK = "outbox.deliver_row"  # the one-row messages of versions before 0.2

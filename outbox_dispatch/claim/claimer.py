@@ -13,21 +13,18 @@ actor frees (the releasing worker makes it due) or one lease passes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from outbox_dispatch.caps.rebuild import rebuild
 from outbox_dispatch.caps.semaphore import Caps, CapsIncomplete, CapsUnavailable, Slot
+from outbox_dispatch.claim.capped import CappedClaims, CapRuleOf
 from outbox_dispatch.claim.runstats import RunStats
 from outbox_dispatch.core.errors import DatabaseError, StatementCancelled
 from outbox_dispatch.core.logs import event
 from outbox_dispatch.core.policy import (
-    Candidate,
-    CapRule,
     Family,
     batch_after_cancel,
     batch_after_claim,
@@ -35,17 +32,15 @@ from outbox_dispatch.core.policy import (
     cap_rule,
     claim_can_wait,
     family_is_capped,
-    plan_capped_claim,
     rows_per_message,
 )
-from outbox_dispatch.core.rows import CappedDecision, Claimed, ClaimResult, Holder, LapsedHolder
+from outbox_dispatch.core.rows import Claimed, ClaimResult, Holder
 from outbox_dispatch.observe import metrics
 from outbox_dispatch.store import Store
 
 log = logging.getLogger(__name__)
 
 Publisher = Callable[[Family, list[Claimed], int], None]  # rows, rows per message
-CapRuleOf = Callable[[Family, str, str | None], CapRule | None]
 
 
 @dataclass
@@ -78,11 +73,6 @@ class ClaimReport:
         self.rounds = max(self.rounds, other.rounds)
         self.saturated |= other.saturated
         self.freed |= other.freed
-
-
-# Tokens of lapsed holders a claimer remembers per family as given back (claim_lapsed_holders
-# reads every one at each claim until its row is claimed again).
-LAPSED_KEPT = 1000
 
 
 class Claimer:
@@ -121,10 +111,8 @@ class Claimer:
         # family -> the most rows its claims take since the server cancelled one (a
         # statement_timeout shorter than the claim), until they are back to the batch
         self._cut: dict[str, int] = {}
-        # family -> tokens of lapsed holders whose slots this claimer gave back (the latest
-        # LAPSED_KEPT): a lapsed row stays so until it is claimed again, and each claim of its
-        # family reads it again; its slot goes back once
-        self._lapsed_released: dict[str, dict[uuid.UUID, None]] = {}
+        # its capped families' claims (capped.py); _claim_capped passes them self.caps
+        self.capped = CappedClaims(store, cap_rule, self.caps_database)
 
     def message_size(self, family: Family, rows: int, queued: int | None = None) -> int:
         """Rows per delivery message for a claim of ``rows`` (see policy.rows_per_message);
@@ -186,7 +174,7 @@ class Claimer:
                 f"family {family.name!r} has a per-actor cap but the dispatcher has no redis_url"
             )
         try:
-            return self._claim_capped_once(family, batch, self.caps)
+            return self.capped.claim(family, batch, self.caps)
         except CapsIncomplete:
             try:
                 restored = self.rebuild_caps()
@@ -205,106 +193,7 @@ class Claimer:
                 "Postgres before claiming capped rows again",
                 family=family.name,
             )
-            return self._claim_capped_once(family, batch, self.caps)
-
-    def _claim_capped_once(self, family: Family, batch: int, caps: Caps) -> ClaimResult:
-        taken: dict[int, Slot] = {}  # row id -> the slot granted for it
-        wake = False  # lapsed holders' slots freed: their actors' waiting rows are due
-
-        rules: dict[str, CapRule | None] = {}  # command -> its rule for a row with an actor
-
-        def rule(c: Candidate) -> CapRule | None:
-            if c.actor is None:
-                return None
-            try:
-                return rules[c.command]
-            except KeyError:
-                found = rules[c.command] = self.cap_rule(family, c.command, c.actor)
-                return found
-
-        def decide(
-            candidates: list[Candidate], limit: int, lapsed: list[LapsedHolder]
-        ) -> CappedDecision:
-            nonlocal wake
-            wake |= self._release_lapsed(family, lapsed, caps)
-            plan = plan_capped_claim(candidates, rule, limit)
-            tokens = {c.id: uuid.uuid4() for c in plan.take}
-            capped = [(c, r) for c in plan.take if (r := rule(c)) is not None]
-            slots = [
-                Slot(family.name, c.actor or "", tokens[c.id], r.limit, r.scope) for c, r in capped
-            ]
-            wait = [c.id for c in plan.wait]
-            try:
-                granted = caps.acquire_many(slots, family.lease, waiting=bool(plan.wait))
-            except CapsIncomplete:
-                caps.release_many(slots)
-                raise
-            except CapsUnavailable as exc:
-                # Redis is down: capped rows stay due in Postgres and are tried again next
-                # pass; rows without an actor still go out.
-                event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
-                granted = [False] * len(slots)
-                wait = []
-            else:
-                wait += [c.id for (c, _), ok in zip(capped, granted, strict=True) if not ok]
-            refused = {c.id for (c, _), ok in zip(capped, granted, strict=True) if not ok}
-            taken.update(
-                {c.id: s for (c, _), s, ok in zip(capped, slots, granted, strict=True) if ok}
-            )
-            return [(c.id, tokens[c.id]) for c in plan.take if c.id not in refused], wait
-
-        try:  # also checks for a Redis restarted from an old snapshot, which lost holders
-            freed = caps.take_freed(family.name, self.caps_database)
-        except CapsUnavailable:  # Redis down: the claim still sends rows without an actor
-            freed = {}
-        try:
-            result = self.store.claim_capped(family, batch, decide, freed)
-        except BaseException:
-            caps.release_many(list(taken.values()))  # the claim rolled back: give slots back
-            caps.give_back_freed(family.name, freed, self.caps_database)
-            raise
-        # rows parked at claim (their last attempt was lost) do not keep the slot they took
-        caps.release_many([taken[i] for i in result.parked if i in taken])
-        if wake:
-            with contextlib.suppress(DatabaseError):  # else beat's next pass claims them
-                self.store.request_claim(family.name)
-        return replace(result, freed=sum(freed.values())) if freed else result
-
-    def _release_lapsed(self, family: Family, lapsed: list[LapsedHolder], caps: Caps) -> bool:
-        """Give back the slots of started attempts whose lease ran out, before this claim takes
-        slots: a start leaves a young claim's slot to run to the claim's lease (delivery.py),
-        so a killed worker's slots end here, with their rows' leases, not a lease later. The
-        release notes each freed slot, as a settle's does, so the actor's waiting rows come
-        in with the next claim (True: the caller asks for it, once this one committed)."""
-        seen = self._lapsed_released.setdefault(family.name, {})
-        slots = []
-        for h in lapsed:
-            if h.token in seen:
-                continue
-            r = self.cap_rule(family, h.command, h.actor)
-            if r is not None:
-                slots.append(Slot(family.name, h.actor, h.token, r.limit, r.scope))
-        if not slots:
-            return False
-        try:
-            woken = caps.release_lapsed(slots, self.caps_database)
-        except CapsUnavailable as exc:  # tried again by the next claim
-            event(log, logging.WARNING, "caps_unavailable", str(exc), family=family.name)
-            return False
-        for s in slots:
-            seen[s.token] = None
-        for token in list(seen)[: max(0, len(seen) - LAPSED_KEPT)]:
-            del seen[token]
-        event(
-            log,
-            logging.WARNING,
-            "cap_slots_reclaimed",
-            f"{len(slots)} cap slots of started attempts whose lease ran out (worker died or "
-            "stalled) given back, those no heartbeat still renews",
-            family=family.name,
-            actors=sorted({s.actor for s in slots}),
-        )
-        return woken
+            return self.capped.claim(family, batch, self.caps)
 
     def rebuild_caps(self) -> int:
         """Restore every live lease's slot, from every database (caps are global), each for

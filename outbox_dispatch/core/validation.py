@@ -182,3 +182,35 @@ def prepare(
         delay_seconds=seconds,
         at=instant,
     )
+
+
+def check_cancel(
+    row_id: object,
+    dedupe_key: object,
+    actor: object,
+    command: object,
+    reason: object,
+    by: object,
+) -> None:
+    """What ``cancel`` takes: exactly one of a row id, a dedupe key or an actor (a command only
+    narrows an actor's rows), and strings for the rest."""
+    if row_id is None and dedupe_key is None and actor is None:
+        raise InvalidArgument("cancel needs a row id, a dedupe_key, or an actor")
+    if sum(x is not None for x in (row_id, dedupe_key, actor)) > 1:
+        # they used to narrow each other, and a pending row matched nothing
+        raise InvalidArgument(
+            "cancel takes one of a row id, a dedupe_key or an actor: cancel each separately"
+        )
+    if command is not None and actor is None:
+        raise InvalidArgument("command narrows an actor's rows: pass actor= with it")
+    if row_id is not None:
+        checked_row_id(row_id)
+    for what, value in (
+        ("dedupe_key", dedupe_key),
+        ("actor", actor),
+        ("command", command),
+        ("reason", reason),
+        ("by", by),
+    ):
+        if value is not None and not isinstance(value, str):
+            raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")

@@ -169,7 +169,7 @@ class OutboxCollector:
         statuses = []
         for name in self.dispatcher.databases:  # one database down hides only its own rows
             try:
-                statuses += self.dispatcher.status(name)
+                statuses += self.dispatcher.ops.status(name)
             except Exception as exc:
                 event(
                     log,
@@ -192,7 +192,7 @@ class OutboxCollector:
             "Messages waiting in the family's broker queue",
             labels=["family"],
         )
-        for family, n in self.dispatcher.queue_lengths().items():
+        for family, n in self.dispatcher.runtime.queue_lengths().items():
             q.add_metric([family], float(n))
         yield q
 

@@ -169,9 +169,9 @@ class WebApp:
 
     def status(self, params: dict[str, list[str]]) -> Page:
         d = self.dispatcher
-        queued = d.queue_lengths()
+        queued = d.runtime.queue_lengths()
         rows = []
-        for s in d.status():
+        for s in d.ops.status():
             rows.append(
                 {
                     **s.__dict__,
@@ -201,7 +201,7 @@ class WebApp:
     def parked(self, params: dict[str, list[str]]) -> Page:
         family = _first(params, "family") or None
         db = self._database(params)
-        rows = self.dispatcher.parked_list(family=family, limit=200, database=db)
+        rows = self.dispatcher.ops.parked_list(family=family, limit=200, database=db)
         if not rows:
             body = "<p>no parked rows</p>"
         else:

@@ -1,5 +1,24 @@
 """Postgres: pools, queries by concern, migrations, roles, the caller's connection, maintenance."""
 
-from outbox_dispatch.store.queries import Store, pipelined_transaction, translated, wake_channel
+from outbox_dispatch.store.claims import ClaimQueries
+from outbox_dispatch.store.deliveries import DeliveryQueries
+from outbox_dispatch.store.enqueue import EnqueueQueries
+from outbox_dispatch.store.ordered import OrderedQueries
+from outbox_dispatch.store.runstats import RunStatsQueries
+from outbox_dispatch.store.status import StatusQueries
+from outbox_dispatch.store.upkeep import UpkeepQueries
 
-__all__ = ["Store", "pipelined_transaction", "translated", "wake_channel"]
+__all__ = ["Store"]
+
+
+class Store(
+    EnqueueQueries,
+    ClaimQueries,
+    DeliveryQueries,
+    OrderedQueries,
+    StatusQueries,
+    UpkeepQueries,
+    RunStatsQueries,
+):
+    """Named queries for one schema, over fork-safe pools (pool.py): one mixin per concern,
+    on the connections of their base (connections.py)."""

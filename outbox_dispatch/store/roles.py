@@ -20,7 +20,7 @@ import psycopg
 
 from outbox_dispatch.core.errors import ConfigurationError, InvalidIdentifier
 from outbox_dispatch.core.naming import quoted
-from outbox_dispatch.store import translated
+from outbox_dispatch.store.connections import translated
 
 TABLE_PRIVILEGES = "SELECT, INSERT, UPDATE, DELETE"
 SEQUENCE_PRIVILEGES = "USAGE, SELECT"

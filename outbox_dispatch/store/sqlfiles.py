@@ -24,7 +24,8 @@ class Migration:
 @cache
 def raw_queries() -> dict[str, str]:
     """Every named query of sql/*.sql (one file per concern: enqueue, claim, deliver, settle,
-    cancel, caps, ordered, maintenance, status, session), keyed by its ``-- name:`` line."""
+    cancel, caps, ordered, maintenance, status, session), keyed by its ``-- name:`` line;
+    schema.sql names none."""
     folder = resources.files("outbox_dispatch").joinpath("sql")
     queries: dict[str, str] = {}
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
@@ -40,6 +41,8 @@ def raw_queries() -> dict[str, str]:
 def _named_blocks(text: str) -> list[tuple[str, str]]:
     """The ``-- name:`` blocks of one file; what comes before the first is the file's header."""
     matches = list(_NAME.finditer(text))
+    if not matches:  # schema.sql: the whole schema, no named query
+        return []
     blocks = []
     for here, nxt in zip(matches, [*matches[1:], None], strict=True):
         end = nxt.start() if nxt else len(text)

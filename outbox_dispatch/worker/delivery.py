@@ -1,5 +1,7 @@
 """Runs one claimed row: check the claim, run the handler, settle fenced by the claim token,
-then give back the row's cap slot and let the actor's next waiting row in."""
+then give back the row's cap slot and let the actor's next waiting row in. The steps, in order:
+messages.py (what a message names), here (start, run), settling.py (settle), slots.py (the cap
+slot that a capped row holds throughout)."""
 
 from __future__ import annotations
 
@@ -7,24 +9,15 @@ import inspect
 import logging
 import random
 import time
-import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from outbox_dispatch.caps.releases import Wake
-from outbox_dispatch.caps.semaphore import RENEW_TIMEOUT, Caps, CapsUnavailable, Slot
+from outbox_dispatch.caps.semaphore import Caps
 from outbox_dispatch.claim.runstats import RunTimes
-from outbox_dispatch.core import timings
-from outbox_dispatch.core.errors import (
-    DatabaseError,
-    PermanentFailure,
-    RetryLater,
-    StatementCancelled,
-)
+from outbox_dispatch.core.errors import DatabaseError, PermanentFailure, StatementCancelled
 from outbox_dispatch.core.handlers import Context, HandlerFn, Registry
-from outbox_dispatch.core.logs import event, mask_dsn
+from outbox_dispatch.core.logs import event
 from outbox_dispatch.core.policy import CapRule, Family, cap_rule
 from outbox_dispatch.core.rows import Started
 from outbox_dispatch.core.settle import (
@@ -35,31 +28,17 @@ from outbox_dispatch.core.settle import (
     after_failure,
     after_return,
     delivered,
-    outcome,
-    retry_asked,
     stop_error,
 )
 from outbox_dispatch.observe import metrics, tracing
 from outbox_dispatch.store import Store
-from outbox_dispatch.store.pool import Conn
 from outbox_dispatch.worker.deferred_settles import DeferredSettles, carried
-from outbox_dispatch.worker.heartbeat import Heartbeats, Running, SlotState
+from outbox_dispatch.worker.heartbeat import Heartbeats, Running
+from outbox_dispatch.worker.messages import Result, parse_batch, parse_message, row_fields
+from outbox_dispatch.worker.settling import Settler, after_exception, never_awaited, report
+from outbox_dispatch.worker.slots import LAPSED, CapSlots
 
 log = logging.getLogger(__name__)
-
-MAX_ERROR_LENGTH = 4000
-# A heartbeat renews a slot up to two ticks late and may wait RENEW_TIMEOUT for Redis: a slot
-# must have this much left past the heartbeat's first renewal to start on without renewing.
-SLOT_MARGIN = 2 * timings.HEARTBEAT_TICK + RENEW_TIMEOUT
-LAPSED = 0.0  # what Delivery._check_slot returns for a row whose slot lapsed (handed back)
-
-
-@dataclass(frozen=True)
-class Result:
-    outcome: Outcome
-    row_id: int | None
-    detail: str = ""  # the error of a retried or parked attempt, why a message was stale
-    due_in: float | None = None  # retried: seconds until the row is due again
 
 
 def _cancelled(exc: StatementCancelled, row_id: int, family: str | None) -> Result:
@@ -77,37 +56,6 @@ def _cancelled(exc: StatementCancelled, row_id: int, family: str | None) -> Resu
     return Result(Outcome.STALE, row_id, str(exc))
 
 
-def parse_message(args: tuple[Any, ...]) -> tuple[int, UUID] | None:
-    """A delivery message is exactly (row id, claim token); anything else is garbage."""
-    if len(args) != 2:
-        return None
-    row_id, token = args
-    if isinstance(row_id, bool) or not isinstance(row_id, int) or row_id <= 0:
-        return None
-    if not isinstance(token, str):
-        return None
-    try:
-        return row_id, UUID(token)
-    except ValueError:
-        return None
-
-
-MAX_BATCH = 1000
-
-
-def parse_batch(args: tuple[Any, ...]) -> list[tuple[int, UUID]] | None:
-    """A batched message is one list of [row id, claim token] pairs."""
-    if len(args) != 1 or not isinstance(args[0], list) or not 0 < len(args[0]) <= MAX_BATCH:
-        return None
-    pairs = []
-    for item in args[0]:
-        pair = parse_message(tuple(item)) if isinstance(item, list | tuple) else None
-        if pair is None:
-            return None
-        pairs.append(pair)
-    return pairs
-
-
 class _Cancelled(Exception):
     """Unwinds a transactional handler's transaction when its row was cancelled."""
 
@@ -119,23 +67,6 @@ class _Stopped(Exception):
     def __init__(self, reason: StopReason) -> None:
         super().__init__(reason.value)
         self.reason = reason
-
-
-def describe_error(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return mask_dsn(text)[:MAX_ERROR_LENGTH]  # a handler's own DB error may quote its URL
-
-
-def slot_surely_left(claim_age: float | None, family: Family) -> float | None:
-    """Seconds a starting row's cap slot is surely still held, from its claim's age: the claim
-    took the slot for the family's lease after its transaction began, when ``claimed_at`` was
-    set, so at least the lease less that age is left. None when that is too little to start
-    on without asking Redis: the heartbeat's first renewal comes a third of the heartbeat
-    timeout after the start, and may be SLOT_MARGIN late."""
-    if claim_age is None:
-        return None
-    left = family.lease - max(claim_age, 0.0)
-    return left if left >= family.heartbeat_timeout / 3 + SLOT_MARGIN else None
 
 
 class Delivery:
@@ -158,16 +89,23 @@ class Delivery:
     ) -> None:
         self.store = store
         self.database = database  # its name, in metrics
-        self.caps_database = None if primary else database  # its wake key
         self.registry = registry
         self.families = families
-        self.caps = caps
-        self.cap_rule = cap_rule
         self.on_slot_freed = on_slot_freed
         self.rand = rand
         self.run_times = run_times
         self.heartbeats = Heartbeats(store)
-        self.deferred = DeferredSettles(store, self._settle_refused)
+        self.slots = CapSlots(
+            store,
+            families,
+            caps,
+            cap_rule,
+            # looked up at each wake: one set on the Delivery afterwards is the one called
+            lambda family, database: self.on_slot_freed(family, database),
+            None if primary else database,  # its wake key
+        )
+        self.settler = Settler(store, families, self.slots)
+        self.deferred = DeferredSettles(store, self.settler.refused)
 
     def deliver_message(
         self,
@@ -198,7 +136,7 @@ class Delivery:
             shown = repr(args)[:200]
             event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
             results = [Result(Outcome.STALE, None, "garbage message")]
-        self._flush_slot_writes()
+        self.slots.flush()
         for r in results:
             metrics.outcome(family_hint, r.outcome.value, self.database)
         return results
@@ -266,62 +204,8 @@ class Delivery:
             # one that kills the process must not take finished rows with it (they would run
             # again, flagged maybe_applied); one statement per message, not per row
             self.deferred.flush()
-        self._flush_slot_writes()
+        self.slots.flush()
         return results
-
-    def _start_checked(self, started: Started, family: Family | None) -> Result:
-        """The checks before a handler runs, for rows that fail them."""
-        if family is None:
-            error = (
-                f"family {started.family!r} is not declared in this worker: "
-                "declare it with dispatcher.family() and retry the parked row"
-            )
-            return self._finish(started, None, Settle(SettleKind.PARK, error=error))
-        if started.cancel_requested:  # cancelled while on its way here: never runs
-            return self._finish(started, family, Settle(SettleKind.CANCEL))
-        error = (
-            f"no handler for command {started.command!r} in this worker: "
-            "register it with @dispatcher.handler and run `outbox-dispatch parked retry`"
-        )
-        return self._finish(started, family, Settle(SettleKind.PARK, error=error))
-
-    def _context(
-        self,
-        started: Started,
-        family: Family,
-        renew_until: float | None = None,
-        held: float | None = None,
-        stop_at: float | None = None,
-    ) -> tuple[Context, Running]:
-        """``held``: seconds the row's cap slot is surely held from now (None: a whole
-        heartbeat timeout, as a renewal just gave it)."""
-        key = (started.id, started.token)
-        ctx = Context(
-            row_id=started.id,
-            family=started.family,
-            command=started.command,
-            actor=started.actor,
-            attempt=started.attempts,
-            idempotency_key=started.dedupe_key or f"outbox:{started.id}",
-            maybe_applied=started.maybe_applied,
-            database=self.database,
-            _beat=lambda progress: self.heartbeats.beat_now(key, progress),
-        )
-        soft, hard = _deadlines(family)
-        if hard is not None and renew_until is not None:
-            hard = max(hard, renew_until)
-        if stop_at is not None:
-            soft = stop_at if soft is None else min(soft, stop_at)
-        running = Running(
-            ctx=ctx,
-            token=started.token,
-            run_lease=family.heartbeat_timeout,
-            renew_slot=self._slot_renewer(started, family, held),
-            next_at=time.monotonic() + family.heartbeat_timeout / 3,
-            soft_deadline=soft,
-            deadline=hard,
-        )
-        return ctx, running
 
     def deliver(
         self,
@@ -351,7 +235,7 @@ class Delivery:
             return Result(Outcome.STALE, row_id, "cap slot lapsed")
         reg = self.registry.registration(started.command)
         if family is None or reg is None or reg.fn is None or started.cancel_requested:
-            return self._start_checked(started, family)
+            return self.settler.failed_checks(started, family)
         _ctx, running = self._context(started, family, renew_until, held, stop_at)
         self.heartbeats.add(running)
         metrics.started(started.family, started.waited, self.database)
@@ -391,6 +275,57 @@ class Delivery:
         self.deferred.landed(pending, settled)
         return started
 
+    def _run_lease_for(self, family: Family | None) -> float:
+        # The begin statement sets the running lease before the row's family is known; the
+        # queue the message came from names it, else the longest timeout is the safe choice.
+        if family is not None:
+            return family.heartbeat_timeout
+        return max(f.heartbeat_timeout for f in self.families.values())
+
+    def _check_slot(self, started: Started, family: Family) -> float | None:
+        """The start's check of a capped row's cap slot (CapSlots.check): LAPSED when the row
+        went back, else the seconds its slot is surely held (None: a whole heartbeat timeout,
+        or no slot)."""
+        return self.slots.check(started, family)
+
+    def _context(
+        self,
+        started: Started,
+        family: Family,
+        renew_until: float | None = None,
+        held: float | None = None,
+        stop_at: float | None = None,
+    ) -> tuple[Context, Running]:
+        """``held``: seconds the row's cap slot is surely held from now (None: a whole
+        heartbeat timeout, as a renewal just gave it)."""
+        key = (started.id, started.token)
+        ctx = Context(
+            row_id=started.id,
+            family=started.family,
+            command=started.command,
+            actor=started.actor,
+            attempt=started.attempts,
+            idempotency_key=started.dedupe_key or f"outbox:{started.id}",
+            maybe_applied=started.maybe_applied,
+            database=self.database,
+            _beat=lambda progress: self.heartbeats.beat_now(key, progress),
+        )
+        soft, hard = _deadlines(family)
+        if hard is not None and renew_until is not None:
+            hard = max(hard, renew_until)
+        if stop_at is not None:
+            soft = stop_at if soft is None else min(soft, stop_at)
+        running = Running(
+            ctx=ctx,
+            token=started.token,
+            run_lease=family.heartbeat_timeout,
+            renew_slot=self.slots.renewer(started, family, held),
+            next_at=time.monotonic() + family.heartbeat_timeout / 3,
+            soft_deadline=soft,
+            deadline=hard,
+        )
+        return ctx, running
+
     def _run(
         self,
         started: Started,
@@ -402,61 +337,37 @@ class Delivery:
     ) -> Result:
         """Run a handler outside any transaction of ours."""
         if log.isEnabledFor(logging.DEBUG):
-            event(log, logging.DEBUG, "handler_started", "running handler", **_fields(started))
+            event(log, logging.DEBUG, "handler_started", "running handler", **row_fields(started))
         t0 = time.perf_counter()
         try:
             returned = fn(running.ctx, started.payload)
         except Exception as exc:
-            return self._finish(
-                started, family, self._after_exception(started, family, exc, running)
+            return self.settler.finish(
+                started, family, after_exception(started, family, exc, running, self.rand)
             )
         elapsed = time.perf_counter() - t0
         if inspect.isawaitable(returned):
-            return self._finish(
-                started, family, Settle(SettleKind.PARK, error=_never_awaited(returned)), elapsed
+            return self.settler.finish(
+                started, family, Settle(SettleKind.PARK, error=never_awaited(returned)), elapsed
             )
         settle = after_return(family, started.attempts, self.rand(), running.stop_reason())
         if not settle.delivers:
-            return self._finish(started, family, settle, elapsed)
+            return self.settler.finish(started, family, settle, elapsed)
         if defer and not family.ordered and running.stop_reason() is None:
             # off the hot path: nothing waits on this settle (no ordered line moves on it); a
             # row cancelled while it ran settles now, so that its outcome says so
             self.deferred.add(settle.kind, started)
-            if self.caps is not None and (slot := self._slot_of(started)) is not None:
-                # a cap counts running handlers: this one returned, so its slot goes back now
-                # (the answer, whether to wake the claimer, is read later: caps_pipelined)
-                self._woken(self.caps.release_settled([slot], self.caps_database, wait=False))
+            self.slots.release_returned(started)
             if log.isEnabledFor(logging.INFO):
                 event(
                     log,
                     logging.INFO,
                     "delivered",
                     f"handler ok in {elapsed * 1000:.1f} ms (settle batched)",
-                    **_fields(started),
+                    **row_fields(started),
                 )
             return Result(Outcome.DELIVERED, started.id)
-        return self._finish(started, family, settle, elapsed)
-
-    def _flush_slot_writes(self) -> None:
-        """The end of a message: read every answer of the releases sent without waiting, so
-        that a freed slot's wake does not wait for this process's next message (a no-op when
-        nothing is unread)."""
-        if self.caps is not None:
-            self._woken(self.caps.release_settled([], self.caps_database, wait=True))
-
-    def _woken(self, wakes: set[Wake]) -> None:
-        """Release answers said these claimers (family, database) should let a waiting row
-        in: a process's releases of every database ride together, so some may be another
-        database's."""
-        for family_name, database in sorted(wakes, key=lambda w: (w[0], w[1] or "")):
-            self.on_slot_freed(family_name, database)
-
-    def _settle_refused(self, kind: SettleKind, started: Started) -> None:
-        """A deferred settle the batch statement skipped: a cancel request arrived, or the
-        claim was lost; the one-row path records which (the row's cap slot went back when
-        its handler returned)."""
-        family = self.families.get(started.family) or Family(started.family)
-        self._finish(started, family, Settle(kind), release=False)
+        return self.settler.finish(started, family, settle, elapsed)
 
     def _run_in_transaction(
         self, started: Started, family: Family, fn: HandlerFn, running: Running
@@ -469,7 +380,7 @@ class Delivery:
             with self.store.handler_transaction(started.id, started.token) as held:
                 if held is None:  # the claim no longer holds
                     lost = Result(Outcome.LOST, started.id, "the claim no longer holds")
-                    _report(started, lost, delivered(family), 0.0)
+                    report(started, lost, delivered(family), 0.0)
                     return lost
                 conn, cancel = held
                 if cancel:
@@ -477,259 +388,39 @@ class Delivery:
                 ctx.conn = conn
                 returned = fn(ctx, started.payload)
                 if inspect.isawaitable(returned):  # rolled back, and parked as below
-                    raise PermanentFailure(_never_awaited(returned))
+                    raise PermanentFailure(never_awaited(returned))
                 reason = running.stop_reason()
                 if reason is StopReason.CANCEL_REQUESTED:
                     raise _Cancelled()
                 if reason is not None:
                     raise _Stopped(reason)  # roll the handler's writes back, then retry
-                settled = self._settle(
+                settled = self.settler.settle(
                     delivered(family), started, family, conn=conn, release=False, or_cancel=False
                 )
                 if not settled:
                     raise _Cancelled()  # a cancel request arrived: undo the handler's writes
         except _Cancelled:
-            return self._finish(started, family, Settle(SettleKind.CANCEL))
+            return self.settler.finish(started, family, Settle(SettleKind.CANCEL))
         except _Stopped as stop:  # rolled back: nothing was applied
             error = stop_error(family, None, stop.reason)
-            return self._finish(
+            return self.settler.finish(
                 started, family, after_failure(family, started.attempts, self.rand(), error)
             )
         except Exception as exc:
-            return self._finish(
-                started, family, self._after_exception(started, family, exc, running)
+            return self.settler.finish(
+                started, family, after_exception(started, family, exc, running, self.rand)
             )
         finally:
             ctx.conn = None
-        self._release(started, family)
+        self.slots.release(started, family)
         event(
             log,
             logging.INFO,
             "delivered",
             f"transactional handler committed in {(time.perf_counter() - t0) * 1000:.1f} ms",
-            **_fields(started),
+            **row_fields(started),
         )
         return Result(Outcome.DELIVERED, started.id)
-
-    def _after_exception(
-        self, started: Started, family: Family, exc: Exception, running: Running
-    ) -> Settle:
-        """A handler that raised: parked at once for PermanentFailure, else a failed attempt
-        (the error says when it had been told to stop, or ran past its time limit)."""
-        if isinstance(exc, PermanentFailure):
-            return Settle(SettleKind.PARK, error=describe_error(exc))
-        stop = running.stop_reason()
-        if isinstance(exc, RetryLater) and stop is None:
-            return retry_asked(family, started.attempts, exc.delay, str(exc))
-        if type(exc).__name__ == "SoftTimeLimitExceeded":  # billiard's, raised by prefork
-            stop = StopReason.TIME_LIMIT
-        error = stop_error(family, describe_error(exc), stop)
-        return after_failure(family, started.attempts, self.rand(), error)
-
-    def _finish(
-        self,
-        started: Started,
-        family: Family | None,
-        settle: Settle,
-        elapsed: float = 0.0,
-        *,
-        release: bool = True,
-    ) -> Result:
-        """Apply the settle decided for an attempt, and say what it came to; ``release``: give
-        the row's cap slot back afterwards (not when it went back as its handler returned)."""
-        applied = self._settle(settle, started, family, release=release)
-        due_in = settle.delay if applied is SettleKind.RETRY else None
-        result = Result(outcome(applied), started.id, settle.error or "", due_in)
-        _report(started, result, settle, elapsed)
-        return result
-
-    # -- leases and slots -------------------------------------------------------------------
-
-    def _run_lease_for(self, family: Family | None) -> float:
-        # The begin statement sets the running lease before the row's family is known; the
-        # queue the message came from names it, else the longest timeout is the safe choice.
-        if family is not None:
-            return family.heartbeat_timeout
-        return max(f.heartbeat_timeout for f in self.families.values())
-
-    def _rule(self, started: Started, family: Family) -> CapRule | None:
-        """The cap this row's slot counts against, when it took one: an actor, and a cap for
-        its command (a family may cap some commands and not others)."""
-        if self.caps is None:
-            return None
-        return self.cap_rule(family, started.command, started.actor)
-
-    def _slot(self, family: Family, command: str, actor: str | None, token: UUID) -> Slot | None:
-        """The cap slot a row of ``family`` holds under ``token``, if its command is capped."""
-        rule = None if self.caps is None else self.cap_rule(family, command, actor)
-        if rule is None or actor is None:
-            return None
-        return Slot(family.name, actor, token, rule.limit, rule.scope)
-
-    def _slot_of(self, started: Started) -> Slot | None:
-        family = self.families.get(started.family)
-        if family is None:
-            return None
-        return self._slot(family, started.command, started.actor, started.token)
-
-    def _check_slot(self, started: Started, family: Family) -> float | None:
-        """A capped row may only start while its slot is live: if the slot lapsed, another row
-        of the actor may hold it now, so the row goes back, due, uncounted (returns LAPSED). A
-        young claim's slot is surely held (``slot_surely_left``): the row starts without a
-        word to Redis. Its slot runs on to the claim's lease until the heartbeat's first
-        renewal bounds it to the heartbeat timeout; should the worker die before that, the
-        family's next claim after the row's lease gives the slot back (claim_lapsed_holders),
-        so the handler must stop by then if it cannot renew: the seconds returned are the
-        row's lease (the heartbeat timeout), or less if the claim's lease ends sooner. An
-        older claim's slot is renewed and waited for (None: a whole heartbeat timeout). None
-        too for a row without a cap slot."""
-        rule = self._rule(started, family)
-        if rule is None:
-            return None
-        assert self.caps is not None
-        assert started.actor is not None
-        left = slot_surely_left(started.claim_age, family)
-        if left is not None:
-            return min(left, family.heartbeat_timeout)
-        try:
-            state = self.caps.renew(
-                started.family, started.actor, started.token, family.heartbeat_timeout, rule.scope
-            )
-        except CapsUnavailable as exc:
-            # Without Redis the slot cannot be checked: the row goes back and waits in Postgres.
-            self.store.handback(started.id, started.token)
-            event(
-                log,
-                logging.WARNING,
-                "caps_unavailable",
-                f"{exc}; row handed back",
-                **_fields(started),
-            )
-            return LAPSED
-        if state == 0:
-            self.store.handback(started.id, started.token)
-            event(
-                log,
-                logging.WARNING,
-                "cap_slot_lapsed",
-                "the row's cap slot expired before delivery began; row handed back",
-                **_fields(started),
-            )
-            return LAPSED
-        return None
-
-    def _slot_renewer(
-        self, started: Started, family: Family, held: float | None = None
-    ) -> Callable[[], SlotState] | None:
-        """Renews the row's cap slot. While Redis cannot be reached the slot runs on until its
-        last renewal's lease ends, and the row's lease is not renewed past it; a renewal
-        before that end that still fails reports the slot LAPSED, so the handler stops before
-        the claimer (which may reach Redis) can grant the slot to another row of the actor."""
-        rule = self._rule(started, family)
-        if rule is None:
-            return None
-        caps, actor = self.caps, started.actor
-        assert caps is not None
-        assert actor is not None
-        timeout = family.heartbeat_timeout
-        # The slot was renewed for a whole timeout just before this runs (an old claim's
-        # waited renewal), or is surely ``held`` that long (a young claim's, until its row's
-        # lease ends: a claim may give it back then), a third of the timeout and SLOT_MARGIN
-        # at least.
-        # Renewals start every timeout/3 (give or take a tick) and give up after
-        # RENEW_TIMEOUT, so a failure that leaves less than this margin is the last one before
-        # the slot's end.
-        until = [time.monotonic() + (timeout if held is None else held)]
-        margin = timeout / 3 + SLOT_MARGIN
-
-        def renew() -> SlotState:
-            t0 = time.monotonic()
-            try:
-                state = caps.renew(
-                    started.family, actor, started.token, timeout, rule.scope, heartbeat=True
-                )
-            except CapsUnavailable as exc:
-                if time.monotonic() + margin >= until[0]:
-                    event(
-                        log,
-                        logging.WARNING,
-                        "caps_unavailable",
-                        f"{exc}; the slot cannot be renewed before it runs out: stopping",
-                        **_fields(started),
-                    )
-                    return SlotState.LAPSED
-                event(log, logging.WARNING, "caps_unavailable", str(exc), **_fields(started))
-                return SlotState.UNKNOWN
-            if state == 0:
-                return SlotState.LAPSED
-            # 1 renewed; -1 the semaphores are being rebuilt from the live leases in Postgres,
-            # ours among them, and no slot is granted until then
-            until[0] = t0 + timeout
-            return SlotState.HELD
-
-        return renew
-
-    # -- settling ---------------------------------------------------------------------------
-
-    def _settle(
-        self,
-        settle: Settle,
-        started: Started,
-        family: Family | None,
-        *,
-        conn: Conn | None = None,
-        release: bool = True,
-        or_cancel: bool = True,
-    ) -> SettleKind | None:
-        """Settle fenced by the token (a pending cancel request wins); then free the cap slot
-        so the claimer lets one waiting row of the actor in."""
-        options: dict[str, Any] = {
-            "delay": settle.delay,
-            "error": settle.error,
-            "conn": conn,
-            "or_cancel": or_cancel,
-            "maybe_applied": settle.maybe_applied,
-        }
-        if family is not None and family.ordered and started.actor is not None:
-            applied = self.store.settle_in_line(
-                settle.kind,
-                started.id,
-                started.token,
-                family=family.name,
-                actor=started.actor,
-                parked_blocks=family.parked_blocks,
-                **options,
-            )
-        else:
-            applied = self.store.settle(settle.kind, started.id, started.token, **options)
-        if release:
-            self._release(started, family)
-        return applied
-
-    def _release(self, started: Started, family: Family | None) -> None:
-        # only after the settle committed: the slot covers the row until it is settled
-        slot = (
-            None
-            if family is None
-            else self._slot(family, started.command, started.actor, started.token)
-        )
-        if slot is not None:
-            assert self.caps is not None
-            if self.caps.release([slot], self.caps_database):
-                self.on_slot_freed(slot.family, self.caps_database)  # lets a waiting row in
-
-
-def _never_awaited(returned: object) -> str:
-    """Why a row whose handler returned an awaitable (a coroutine, a future) is parked: nothing
-    here awaits it, so its work did not run. The coroutine is closed, unrun."""
-    close = getattr(returned, "close", None)
-    if callable(close):  # a coroutine never awaited would warn when collected
-        close()
-    return (
-        f"the handler returned {type(returned).__name__}, which nothing awaits: handlers are "
-        "plain functions run in Celery's pool processes, so its work did not run; make it "
-        "synchronous (it may call asyncio.run(...)) and retry the parked row"
-    )
 
 
 def _deadlines(family: Family) -> tuple[float | None, float | None]:
@@ -741,36 +432,3 @@ def _deadlines(family: Family) -> tuple[float | None, float | None]:
         return None, None
     now = time.monotonic()
     return now + family.time_limit, now + hard
-
-
-def _report(started: Started, result: Result, settle: Settle, elapsed: float) -> None:
-    """The log line of a settled attempt."""
-    fields = _fields(started)
-    match result.outcome:
-        case Outcome.DELIVERED:
-            message = f"handler ok in {elapsed * 1000:.1f} ms"
-            event(log, logging.INFO, "delivered", message, **fields)
-        case Outcome.RETRIED:
-            message = f"handler failed, due again in {settle.delay:.1f} s: {settle.error}"
-            event(log, logging.WARNING, "retried", message, **fields)
-        case Outcome.PARKED:
-            message = f"row parked: {settle.error} (inspect with `outbox-dispatch parked list`)"
-            event(log, logging.ERROR, "parked", message, **fields)
-        case Outcome.CANCELLED:
-            event(log, logging.INFO, "cancelled", "row settled as cancelled", **fields)
-        case _:
-            message = (
-                "the claim no longer holds (lease ran out and the row was claimed again); "
-                "the result of this attempt is discarded"
-            )
-            event(log, logging.WARNING, "settle_refused", message, **fields)
-
-
-def _fields(s: Started) -> dict[str, Any]:
-    return {
-        "row_id": s.id,
-        "family": s.family,
-        "command": s.command,
-        "actor": s.actor,
-        "attempt": s.attempts,
-    }

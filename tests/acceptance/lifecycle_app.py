@@ -86,4 +86,4 @@ def stubborn(ctx: Context, payload: Any) -> None:
 
 
 if os.environ.get("OUTBOX_TEST_CRON"):
-    dispatcher.cron("every-second", "* * * * * *", "load.run", {"sleep": 0.001}, catch_up="all")
+    dispatcher.ops.cron("every-second", "* * * * * *", "load.run", {"sleep": 0.001}, catch_up="all")

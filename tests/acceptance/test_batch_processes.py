@@ -55,7 +55,7 @@ def test_a_pool_process_killed_mid_batch_marks_only_the_row_it_was_running(
     # one message with all eight rows, published before the worker runs
     claimed = producer.claimer.claim_family(family).claimed
     assert [c.id for c in claimed] == ids
-    producer.publish(family, claimed, size=8)
+    producer.runtime.publish(family, claimed, size=8)
     producer.close()
 
     worker = _worker(spawn, env, "-B", "-s", f"/tmp/beat-batch-{schema}")

@@ -69,7 +69,7 @@ def test_a_cut_database_stops_only_its_own_rows_in_a_prefork_worker(
         _app, producer = databases_app.make(urls, acc_env)
         producer.declare("mdb.record")
         _enqueue(producer, urls["us"], 3)
-        assert producer.claim_and_publish(database="us").total == 3  # waiting in the queue
+        assert producer.runtime.claim_and_publish(database="us").total == 3  # waiting in the queue
         proxy.cut()
         _enqueue(producer, urls["main"], 5)
         _enqueue(producer, urls["eu"], 5)

@@ -71,7 +71,7 @@ def test_flower_shows_each_deliverys_true_state_and_no_maintenance_tasks(
         assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
 
     # a claim message that expired while no worker ran (as after a restart): never listed
-    dispatcher._claim_task.apply_async(
+    dispatcher.runtime.claim_task.apply_async(
         queue=dispatcher.claim_queue, expires=datetime.now(UTC) - timedelta(seconds=5)
     )
     with psycopg.connect(env["OUTBOX_TEST_DATABASE_URL"]) as conn:
@@ -93,7 +93,7 @@ def test_flower_shows_each_deliverys_true_state_and_no_maintenance_tasks(
         with conn.transaction():
             dispatcher.cancel(conn, ids["fl.slow"], reason="customer left")
     # a message whose claim token is not the row's: dropped as stale
-    forged = dispatcher._deliver_task.apply_async(
+    forged = dispatcher.runtime.deliver_task.apply_async(
         (ids["fl.ok"], str(uuid.uuid4())), queue="outbox.seen", shadow="seen:fl.ok"
     )
 

@@ -183,11 +183,11 @@ def test_family_and_cron_names_are_validated() -> None:
             d.family(bad)
     d.declare("c.cron")
     with pytest.raises(ConfigurationError, match="not a cron expression"):
-        d.cron("bad", "61 * * * *", "c.cron", {})
+        d.ops.cron("bad", "61 * * * *", "c.cron", {})
     with pytest.raises(ConfigurationError, match="unknown time zone"):
-        d.cron("bad", "* * * * *", "c.cron", {}, tz="Mars/Olympus")
+        d.ops.cron("bad", "* * * * *", "c.cron", {}, tz="Mars/Olympus")
     with pytest.raises(InvalidPayload):
-        d.cron("bad", "* * * * *", "c.cron", {"when": datetime.now(UTC)})
+        d.ops.cron("bad", "* * * * *", "c.cron", {"when": datetime.now(UTC)})
 
 
 def test_family_takes_max_lost_as_documented() -> None:
@@ -323,7 +323,7 @@ def test_row_of_a_family_this_worker_does_not_declare_is_parked_with_a_clear_err
     fixed.family("elsewhere", lease=30)
     seen: list[int] = []
     fixed.handler("x.elsewhere", family="elsewhere")(lambda ctx, p: seen.append(ctx.attempt))
-    assert fixed.parked_retry(ids=[row_id]) == [row_id]
+    assert fixed.ops.parked_retry(ids=[row_id]) == [row_id]
     assert fixed.drain(timeout=5).delivered == 1
     assert seen == [1]
 
@@ -412,7 +412,7 @@ def test_foreign_broker_messages_are_refused_and_the_worker_keeps_delivering(
         # a task name no one registered
         app.send_task("outbox.nope", args=[row_id, str(uuid.uuid4())], queue="outbox.intent")
         # and the real claim, published last
-        assert dispatcher.claim_and_publish().claimed == {"intent": 1}
+        assert dispatcher.runtime.claim_and_publish().claimed == {"intent": 1}
         deadline = time.monotonic() + 15
         while count_rows(database_url, dispatcher.schema) or queue_keys("outbox.intent"):
             assert time.monotonic() < deadline, "the worker stopped delivering"
@@ -519,7 +519,7 @@ def test_intervals_and_seconds_take_any_real_number_or_a_timedelta() -> None:
         claim_interval=timedelta(milliseconds=500),
         prune_interval=cast(Any, Decimal("30")),
     )
-    assert (d.claim_interval, type(d.claim_interval)) == (0.5, float)
+    assert (d.settings.claim_seconds, type(d.settings.claim_seconds)) == (0.5, float)
     lease: Any = Decimal("90.5")
     fam = d.family("roomy", lease=lease, heartbeat_timeout=timedelta(seconds=20))
     assert (fam.lease, fam.heartbeat_timeout) == (90.5, 20.0)
@@ -629,19 +629,19 @@ def test_a_row_whose_delivery_fails_outside_its_handler_does_not_hold_up_its_bat
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(5)])
     delivery = dispatcher.delivery
-    settle = delivery._settle
+    settle = delivery.settler.settle
 
     def refuses_one(kind: Any, started: Any, *args: Any, **kwargs: Any) -> Any:
         if started.id == ids[1]:
             raise RuntimeError("a value nobody foresaw")
         return settle(kind, started, *args, **kwargs)
 
-    delivery._settle = refuses_one  # type: ignore[method-assign,assignment]
+    delivery.settler.settle = refuses_one  # type: ignore[method-assign,assignment]
     try:
         claimed = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
         results = delivery.deliver_batch([(c.id, c.token) for c in claimed], family_hint="bulk")
     finally:
-        del delivery._settle
+        del delivery.settler.settle
     assert seen == ids
     assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.LOST] + [
         Outcome.DELIVERED
@@ -654,9 +654,9 @@ def test_parked_operations_refuse_ids_and_limits_that_are_not_row_ids(
     """They reached Postgres (a DatabaseError for 2**63 or limit -1) or were coerced ("1")."""
     for bad in (["1"], [True], [2**63], "12", 7):
         with pytest.raises(InvalidArgument, match="ids"):
-            dispatcher.parked_retry(ids=bad)  # type: ignore[arg-type]
+            dispatcher.ops.parked_retry(ids=bad)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgument, match="ids"):
-            dispatcher.parked_purge(ids=bad)  # type: ignore[arg-type]
+            dispatcher.ops.parked_purge(ids=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="limit"):
-        dispatcher.parked_list(limit=-1)
-    assert dispatcher.parked_retry(ids=[]) == [] and dispatcher.parked_list(limit=0) == []
+        dispatcher.ops.parked_list(limit=-1)
+    assert dispatcher.ops.parked_retry(ids=[]) == [] and dispatcher.ops.parked_list(limit=0) == []

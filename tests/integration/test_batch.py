@@ -44,7 +44,7 @@ def test_a_lone_row_of_the_default_family_gets_a_message_of_its_own(
     cmd = commands(family="plain")
     with psycopg.connect(database_url) as conn, conn.transaction():
         row_id = dispatcher.enqueue(conn, cmd, {"n": 1}, actor="a-1")
-    assert dispatcher.claim_and_publish(["plain"]).claimed == {"plain": 1}
+    assert dispatcher.runtime.claim_and_publish(["plain"]).claimed == {"plain": 1}
     [message] = _deliveries(published)
     assert message["body"][0][0] == row_id and len(message["body"][0]) == 2
     assert message["headers"]["shadow"] == f"plain:{cmd}"  # Flower's name for it
@@ -64,15 +64,15 @@ def test_a_backlog_is_packed_over_the_consumers_and_every_row_is_delivered_once(
     # the sizing counts the messages waiting in the queue: the one an earlier test left there
     # (its row gone) goes to the worker first
     plain = dispatcher.families["plain"]
-    wait_for(lambda: dispatcher.queues.length(plain) == 0, "the plain queue drained")
+    wait_for(lambda: dispatcher.runtime.queues.length(plain) == 0, "the plain queue drained")
     time.sleep(timings.QUEUE_TTL)  # and no claim reuses a length read before
     cmd = commands(family="plain")
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(400)])
-    assert dispatcher.claim_and_publish(["plain"]).claimed == {"plain": 400}
+    assert dispatcher.runtime.claim_and_publish(["plain"]).claimed == {"plain": 400}
     messages = _deliveries(published)
     sizes = [_rows_in(m) for m in messages]
-    consumers = dispatcher._consumers()
+    consumers = dispatcher.runtime.consumers()
     assert sum(sizes) == 400
     # spread over SPREAD (4) messages per consumer, no more than 100 rows each
     assert len(messages) == 4 * consumers and max(sizes) <= 100
@@ -139,11 +139,11 @@ def test_the_commit_listener_leaves_rows_to_a_busy_queue(
 ) -> None:
     _clear_run_stats(database_url, schema)
     cmd = commands(family="plain")
-    busy = dispatcher._consumers() * SPREAD  # messages waiting: work for every consumer
-    monkeypatch.setattr(dispatcher.queues, "queued", lambda family: busy)
+    busy = dispatcher.runtime.consumers() * SPREAD  # messages waiting: work for every consumer
+    monkeypatch.setattr(dispatcher.runtime.queues, "queued", lambda family: busy)
     with psycopg.connect(database_url) as conn, conn.transaction():
         dispatcher.enqueue(conn, cmd, {"n": 1})
-    report = dispatcher.commit_listener().claim(["plain"])  # the claim a worker's listener runs
+    report = dispatcher.runtime.commit_listener().claim(["plain"])  # what a listener runs
     assert (report.claimed, report.saturated) == ({}, {"plain"})
     assert count_rows(database_url, schema, f"command = '{cmd}' AND claim_token IS NULL") == 1
 
@@ -157,7 +157,7 @@ def test_message_size_follows_the_measured_run_time_and_the_queue(
     fam = dispatcher.family("slowish", lease=10)
     claimer = dispatcher.claimer
     assert claimer.message_size(fam, 1) == 1
-    local = dispatcher._consumers()
+    local = dispatcher.runtime.consumers()
     assert claimer.message_size(fam, 400) == min(100, -(-400 // (4 * local)))
     for process in ("host-a:1", "host-b:2", "host-c:3"):
         dispatcher.store.report_run_time("slowish", process, 0.5)
@@ -307,7 +307,7 @@ def test_a_capped_family_batches_and_keeps_its_cap(
     deadline = time.monotonic() + 30
     while count_rows(database_url, schema, f"id = ANY(ARRAY{ids})") > 0:
         assert time.monotonic() < deadline, "capped rows not delivered"
-        dispatcher.claim_and_publish(["cappedbatch"])
+        dispatcher.runtime.claim_and_publish(["cappedbatch"])
         time.sleep(0.05)
     assert max(most.values()) <= 2
     assert any(_rows_in(m) > 1 for m in _deliveries(published))

@@ -16,7 +16,8 @@ from outbox_dispatch.claim.claimer import Claimer, ClaimReport
 from outbox_dispatch.core.policy import Family
 from outbox_dispatch.core.rows import Claimed
 from outbox_dispatch.core.settle import SettleKind
-from outbox_dispatch.store import Store, pipelined_transaction
+from outbox_dispatch.store import Store
+from outbox_dispatch.store.connections import pipelined_transaction
 from outbox_dispatch.store.migrations import migrate
 from tests.conftest import count_rows
 

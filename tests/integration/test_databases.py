@@ -59,7 +59,7 @@ def test_rows_go_to_the_database_of_the_connection(
     assert report.delivered == 4
     assert sorted(db for db, _, _ in seen) == ["eu", "eu", "main", "us"]
     assert all(count_rows(url, schema) == 0 for url in shard_urls.values())
-    assert [s.database for s in d.status() if s.family == "intent"] == ["main", "eu", "us"]
+    assert [s.database for s in d.ops.status() if s.family == "intent"] == ["main", "eu", "us"]
 
 
 def test_sqlalchemy_and_the_localhost_spelling_find_their_database(
@@ -130,7 +130,7 @@ def test_messages_name_their_database_and_a_forged_name_is_stale(
     _seen(d)
     main_id = _enqueue(d, shard_urls["main"], "mdb.record")[0]
     eu_id = _enqueue(d, shard_urls["eu"], "mdb.record")[0]
-    d.claim_and_publish()
+    d.runtime.claim_and_publish()
     bodies = {tuple(p["body"][0][:-1]) for p in published}  # args without the token
     assert bodies == {(main_id,), ("eu", eu_id)}  # the first database's shape is unchanged
     shown = {p["headers"]["argsrepr"] for p in published}
@@ -138,9 +138,9 @@ def test_messages_name_their_database_and_a_forged_name_is_stale(
     token = next(p["body"][0][-1] for p in published if p["body"][0][0] == "eu")
     # the same row id and token under a database that does not exist, or another one
     for forged in (("moon", eu_id, token), ("us", eu_id, token)):
-        results = d._deliver_from_queue(forged, "outbox.intent")
+        results = d.runtime.deliver_from_queue(forged, "outbox.intent")
         assert [r.outcome for r in results] == [Outcome.STALE]
-    (ok,) = d._deliver_from_queue(("eu", eu_id, token), "outbox.intent")
+    (ok,) = d.runtime.deliver_from_queue(("eu", eu_id, token), "outbox.intent")
     assert ok.outcome is Outcome.DELIVERED
 
 
@@ -275,8 +275,8 @@ def test_max_in_flight_holds_per_database(
     for name in ("main", "eu"):
         _enqueue(d, shard_urls[name], "mdb.record", 15)
     for _ in range(2):
-        d.claim_and_publish(["room"])
-    in_flight = {s.database: s.in_flight for s in d.status() if s.family == "room"}
+        d.runtime.claim_and_publish(["room"])
+    in_flight = {s.database: s.in_flight for s in d.ops.status() if s.family == "room"}
     assert in_flight == {"main": 10, "eu": 10, "us": 0}
 
 
@@ -336,7 +336,7 @@ def test_a_caps_rebuild_that_needs_a_down_database_holds_back_only_capped_rows(
     client.delete(d.caps.sentinel)
     client.close()
     t0 = time.monotonic()
-    report = d.claim_and_publish()
+    report = d.runtime.claim_and_publish()
     elapsed = time.monotonic() - t0
     assert report.claimed == {"intent": 1}
     assert elapsed < 10, f"the down database held the pass for {elapsed:.1f} s"

@@ -424,7 +424,7 @@ def test_a_carried_settle_is_fenced_by_the_token_it_was_delivered_under(
         claimed = {c.id: c for c in _claim(dispatcher, "quick")}
         assert set(claimed) == {first, later}  # the first again: its attempt was lost
         new = claimed[first]
-        with caplog.at_level(logging.WARNING, logger="outbox_dispatch.worker.delivery"):
+        with caplog.at_level(logging.WARNING, logger="outbox_dispatch.worker"):
             result = dispatcher.delivery.deliver(later, claimed[later].token, defer=True)
             assert result.outcome is Outcome.DELIVERED
             dispatcher.delivery.deferred.flush()  # what the start refused goes to the one-row path

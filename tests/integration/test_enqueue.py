@@ -75,7 +75,7 @@ def test_delay_and_at_hold_the_row_back(
         soon = dispatcher.enqueue(conn, cmd, {"k": "soon"}, delay=timedelta(seconds=0.6))
         dispatcher.enqueue(conn, cmd, {"k": "later"}, at=datetime.now(UTC) + timedelta(hours=1))
     assert dispatcher.drain(timeout=10).delivered == 0
-    status = {s.family: s for s in dispatcher.status()}
+    status = {s.family: s for s in dispatcher.ops.status()}
     assert status["intent"].scheduled == 2
     import time
 

@@ -496,7 +496,7 @@ def test_a_keep_forever_retention_keeps_rows_and_prunes_the_other_families(
         [c] = _claim(d, fam)
         assert d.delivery.deliver(c.id, c.token, family_hint=fam).outcome is Outcome.DELIVERED
     time.sleep(0.01)
-    deleted = d.prune()
+    deleted = d.ops.prune()
     assert deleted.get(gone) == 1 and keep not in deleted
     assert count_rows(database_url, schema, f"id = {ids[0]} AND done_at IS NOT NULL") == 1
 
@@ -549,7 +549,7 @@ def test_one_familys_maintenance_failure_does_not_stop_the_others(
     d.families.clear()
     d.families.update({broken: first, **rest})
     with pytest.raises(OutboxError, match=broken):
-        d.prune()
+        d.ops.prune()
     assert count_rows(database_url, schema, f"family = '{gone}'") == 0
     assert count_rows(database_url, schema, f"id = {behind} AND NOT blocked") == 1
 
@@ -645,7 +645,7 @@ def test_rows_blocked_in_a_family_that_is_no_longer_ordered_become_due(
     ids = _enqueue(d, database_url, [Message(cmd, {}, actor="U")] * 3)
     assert count_rows(database_url, schema, f"family = '{fam}' AND blocked") == 2
     d.family(fam)  # redeclared without ordering
-    d.prune()
+    d.ops.prune()
     assert count_rows(database_url, schema, f"family = '{fam}' AND blocked") == 0
     assert sorted(c.id for c in _claim(d, fam)) == ids
 

@@ -174,7 +174,7 @@ def test_cancel_pending_rows_by_id_dedupe_key_and_actor(
     row = _row(database_url, life.schema, a)
     assert row["cancelled_at"] is not None
     assert (row["cancel_reason"], row["cancelled_by"]) == ("customer left", "ops")
-    status = {s.family: s for s in life.status()}["kept"]
+    status = {s.family: s for s in life.ops.status()}["kept"]
     assert status.cancelled == 4
 
 
@@ -339,7 +339,7 @@ def test_retention_keeps_dedupe_keys_and_prune_deletes_only_expired_rows_in_batc
 
     life.store.prune = spy  # type: ignore[method-assign]
     try:
-        assert life.prune(batch=2) == {"kept": 5}
+        assert life.ops.prune(batch=2) == {"kept": 5}
     finally:
         life.store.prune = real  # type: ignore[method-assign]
     assert [n for n in calls if n] == [2, 2, 1]  # batches of at most 2 rows
@@ -385,13 +385,13 @@ def test_cron_writes_one_row_per_tick_from_two_schedulers(
     other.declare(cmd, family="gone")
     name = f"every2s-{uuid.uuid4().hex[:6]}"
     for d in (life, other):
-        d.cron(name, "* * * * * */2", cmd, {"kind": "report"}, catch_up="all")
+        d.ops.cron(name, "* * * * * */2", cmd, {"kind": "report"}, catch_up="all")
     t0 = datetime(2026, 3, 1, 12, 0, 0, 500000, tzinfo=UTC)
     for d in (life, other):
-        assert d.run_cron(now=t0) == {}  # a new schedule starts with its next tick
+        assert d.ops.run_cron(now=t0) == {}  # a new schedule starts with its next tick
     for step in range(1, 6):  # five ticks, both schedulers run at every step
         now = t0 + timedelta(seconds=2 * step)
-        written = [d.run_cron(now=now).get(name, 0) for d in (life, other)]
+        written = [d.ops.run_cron(now=now).get(name, 0) for d in (life, other)]
         assert sorted(written) == [0, 1]
     with psycopg.connect(database_url) as conn:
         keys = conn.execute(
@@ -402,12 +402,12 @@ def test_cron_writes_one_row_per_tick_from_two_schedulers(
     assert keys[0][1] == {"kind": "report", "cron_tick": "2026-03-01T12:00:02+00:00"}
     # delivered rows are deleted, yet a late scheduler does not write their ticks again
     life.drain(timeout=5)
-    assert other.run_cron(now=t0 + timedelta(seconds=10)) == {}
+    assert other.ops.run_cron(now=t0 + timedelta(seconds=10)) == {}
     # a gap of three ticks: "all" writes each of them, "latest" only the last one
     latest = f"latest-{uuid.uuid4().hex[:6]}"
-    life.cron(latest, "* * * * * */2", cmd, {"kind": "latest"}, catch_up="latest")
-    assert life.run_cron(now=t0 + timedelta(seconds=10)) == {}
-    assert life.run_cron(now=t0 + timedelta(seconds=16)) == {name: 3, latest: 1}
+    life.ops.cron(latest, "* * * * * */2", cmd, {"kind": "latest"}, catch_up="latest")
+    assert life.ops.run_cron(now=t0 + timedelta(seconds=10)) == {}
+    assert life.ops.run_cron(now=t0 + timedelta(seconds=16)) == {name: 3, latest: 1}
     other.close()
 
 
@@ -424,21 +424,21 @@ def test_cron_refuses_what_could_never_fire_and_one_schedule_cannot_stop_the_oth
     tag = uuid.uuid4().hex[:6]
     for expr in ("0 0 30 2 *", "0 0 31 4 *"):
         with pytest.raises(ConfigurationError, match="names no date"):
-            life.cron(f"never-{tag}", expr, cmd, {})
+            life.ops.cron(f"never-{tag}", expr, cmd, {})
     for window in (timedelta(hours=-1), 3600, timedelta(0)):
         with pytest.raises(ConfigurationError, match="window"):
-            life.cron(f"win-{tag}", "* * * * *", cmd, {}, catch_up="all", window=window)  # type: ignore[arg-type]
+            life.ops.cron(f"win-{tag}", "* * * * *", cmd, {}, catch_up="all", window=window)  # type: ignore[arg-type]
     for every in (0, -1, math.nan, "1"):
         with pytest.raises(ConfigurationError, match="check_every"):
-            life.cron(f"every-{tag}", "* * * * *", cmd, {}, check_every=every)  # type: ignore[arg-type]
-    life.cron(f"dup-{tag}", "* * * * *", cmd, {"n": 1})
-    life.cron(f"dup-{tag}", "* * * * *", cmd, {"n": 1})  # the same again: an import twice
+            life.ops.cron(f"every-{tag}", "* * * * *", cmd, {}, check_every=every)  # type: ignore[arg-type]
+    life.ops.cron(f"dup-{tag}", "* * * * *", cmd, {"n": 1})
+    life.ops.cron(f"dup-{tag}", "* * * * *", cmd, {"n": 1})  # the same again: an import twice
     with pytest.raises(ConfigurationError, match="already declared"):
-        life.cron(f"dup-{tag}", "*/5 * * * *", cmd, {"n": 1})
+        life.ops.cron(f"dup-{tag}", "*/5 * * * *", cmd, {"n": 1})
     broken, fine = f"broken-{tag}", f"fine-{tag}"
     for name in (broken, fine):
-        life.cron(name, "* * * * * */2", cmd, {"name": name}, catch_up="all")
-    ticks = life.maintenance.store.cron_ticks
+        life.ops.cron(name, "* * * * * */2", cmd, {"name": name}, catch_up="all")
+    ticks = life.database().maintenance.store.cron_ticks
 
     def fails_for_one(conn: Any, schedule: Any, now: Any) -> Any:
         if schedule.name == broken:
@@ -446,21 +446,21 @@ def test_cron_refuses_what_could_never_fire_and_one_schedule_cannot_stop_the_oth
         return ticks(conn, schedule, now)
 
     t0 = datetime(2026, 3, 1, 12, 0, 0, 500000, tzinfo=UTC)
-    life.run_cron(now=t0)  # new schedules start with their next tick
-    monkeypatch.setattr(life.maintenance.store, "cron_ticks", fails_for_one)
+    life.ops.run_cron(now=t0)  # new schedules start with their next tick
+    monkeypatch.setattr(life.database().maintenance.store, "cron_ticks", fails_for_one)
     with pytest.raises(MaintenanceFailed, match=broken):
-        life.run_cron(now=t0 + timedelta(seconds=4))
+        life.ops.run_cron(now=t0 + timedelta(seconds=4))
     with psycopg.connect(database_url) as conn:
         rows = conn.execute(
             f"SELECT payload->>'name' FROM \"{schema}\".outbox WHERE command = %s", (cmd,)
         ).fetchall()
     assert rows == [(fine,), (fine,)]  # the other schedule's two ticks were written
     for name in (broken, fine, f"dup-{tag}"):
-        del life.schedules[name]  # the module's dispatcher lives on: leave no schedule behind
+        del life.ops.schedules[name]  # the module's dispatcher lives on: leave no schedule behind
     with pytest.raises(InvalidArgument, match="batch"):
-        life.prune(batch=-5)  # it reached Postgres, and every family's prune failed
+        life.ops.prune(batch=-5)  # it reached Postgres, and every family's prune failed
     with pytest.raises(InvalidArgument, match="batch"):
-        life.prune(batch=1.5)  # type: ignore[arg-type]
+        life.ops.prune(batch=1.5)  # type: ignore[arg-type]
 
 
 def test_a_handler_that_kills_its_worker_every_time_is_parked_even_in_intent(

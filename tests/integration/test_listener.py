@@ -71,7 +71,7 @@ def test_a_listener_claims_what_was_committed_before_it_listened(
 
     def claim(families: list[str] | None) -> ClaimReport:
         passes.append(families)
-        return dispatcher.claim_and_publish(families)
+        return dispatcher.runtime.claim_and_publish(families)
 
     listener = CommitListener(database_url, schema, dispatcher.store.channel, claim)
     listener.start()
@@ -99,7 +99,7 @@ def test_a_leading_listener_claims_rows_that_come_due_without_a_commit(
     def claim(families: list[str] | None) -> ClaimReport:
         if families is None:
             passes.append(time.monotonic())
-        return dispatcher.claim_and_publish(families)
+        return dispatcher.runtime.claim_and_publish(families)
 
     listener = CommitListener(database_url, schema, dispatcher.store.channel, claim, sweep=0.2)
     listener.start()

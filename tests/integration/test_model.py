@@ -86,8 +86,8 @@ from outbox_dispatch import (
 )
 from outbox_dispatch.core.rows import Started
 from outbox_dispatch.core.settle import SettleKind, StopReason
-from outbox_dispatch.worker.delivery import LAPSED
 from outbox_dispatch.worker.heartbeat import Running
+from outbox_dispatch.worker.slots import LAPSED
 
 # -- the families under test ----------------------------------------------------------------
 
@@ -1390,7 +1390,7 @@ class ModelMachine(RuleBasedStateMachine):
             self._parked(op == "retry parked")
         else:
             before = self.snap()
-            self.d.prune()
+            self.d.ops.prune()
             after = self.snap()
             for rid, r in before.rows.items():
                 if rid not in after.rows:
@@ -1407,9 +1407,9 @@ class ModelMachine(RuleBasedStateMachine):
         before = self.snap()
         parked = sorted(r.id for r in before.rows.values() if r.parked)
         if retry:
-            assert sorted(self.d.parked_retry()) == parked
+            assert sorted(self.d.ops.parked_retry()) == parked
         else:
-            assert sorted(self.d.parked_purge()) == parked
+            assert sorted(self.d.ops.parked_purge()) == parked
         after = self.snap()
         for rid in parked:
             a = after.rows.get(rid)

@@ -78,7 +78,7 @@ def test_metrics_endpoint_reports_gauges_counters_and_latency(
             dispatcher.enqueue(conn, ok, {"n": i})
         dispatcher.enqueue(conn, bad, {"n": "x"})
         dispatcher.enqueue(conn, ok, {"later": True}, delay=timedelta(hours=1))
-    dispatcher.claim_and_publish(["quick"])
+    dispatcher.runtime.claim_and_publish(["quick"])
     wait_for(lambda: count_rows(database_url, schema, "claim_token IS NOT NULL") == 0)
     after = scrape(server)
 
@@ -122,9 +122,9 @@ def test_queue_length_counts_messages_nobody_consumed(
     try:
         with conn.transaction():
             d.enqueue_many(conn, [Message("q.report", {"n": i}) for i in range(25)])
-        assert d.queue_lengths()["reports"] == 0
-        d.claim_and_publish(["reports"])
-        assert d.queue_lengths()["reports"] == 4  # 7, 7, 7 and 4 rows
+        assert d.runtime.queue_lengths()["reports"] == 0
+        d.runtime.claim_and_publish(["reports"])
+        assert d.runtime.queue_lengths()["reports"] == 4  # 7, 7, 7 and 4 rows
     finally:
         d.close()
 
@@ -241,9 +241,9 @@ def test_stale_messages_waiting_in_the_queue_are_not_multiplied(
     try:
         with conn.transaction():
             d.enqueue_many(conn, [Message("b.hook", {"n": i}) for i in range(50)])
-        assert d.claim_and_publish(["hooks"]).total == 10
+        assert d.runtime.claim_and_publish(["hooks"]).total == 10
         time.sleep(1.2)  # every lease ran out; the 10 messages are still queued
-        assert d.claim_and_publish(["hooks"]).total == 0
-        assert d.queue_lengths()["hooks"] == 10
+        assert d.runtime.claim_and_publish(["hooks"]).total == 0
+        assert d.runtime.queue_lengths()["hooks"] == 10
     finally:
         d.close()

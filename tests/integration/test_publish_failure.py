@@ -77,7 +77,7 @@ def test_a_claim_whose_publish_fails_gives_its_rows_back_at_once(
         )
     for family in ("pubfail", "pubfailcap"):
         with pytest.raises(Exception, match="onnect"):  # kombu's or redis-py's error
-            down.claim_and_publish([family])
+            down.runtime.claim_and_publish([family])
         rows = _rows(database_url, schema, family)
         # claimed (the claim counted its attempt), and due again now, not in 60 s
         assert [(r["attempts"], r["started_at"], r["due"]) for r in rows] == [
@@ -86,8 +86,8 @@ def test_a_claim_whose_publish_fails_gives_its_rows_back_at_once(
         assert all(r["claim_token"] is not None for r in rows)
     # the next claim takes them at once, counting no second attempt, and the capped rows'
     # actors are not held at their cap by the slots of the claim that failed
-    assert up.claim_and_publish(["pubfail"]).claimed == {"pubfail": 3}
-    assert up.claim_and_publish(["pubfailcap"]).claimed == {"pubfailcap": 2}
+    assert up.runtime.claim_and_publish(["pubfail"]).claimed == {"pubfail": 3}
+    assert up.runtime.claim_and_publish(["pubfailcap"]).claimed == {"pubfailcap": 2}
     for family in ("pubfail", "pubfailcap"):
         assert [r["attempts"] for r in _rows(database_url, schema, family)] == [1] * (
             3 if family == "pubfail" else 2

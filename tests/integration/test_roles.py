@@ -156,7 +156,7 @@ def _exercise_runtime(d: Dispatcher, url: str, schema: str) -> None:
 
     # the NOTIFY listener: advisory lock, LISTEN, and a claim when a commit notifies
     woke = threading.Event()
-    listener = d.commit_listener()
+    listener = d.runtime.commit_listener()
 
     def woken(families: list[str] | None) -> ClaimReport:
         if families is not None:  # not the pass over every family when it starts listening
@@ -187,24 +187,24 @@ def _exercise_runtime(d: Dispatcher, url: str, schema: str) -> None:
     report = d.drain(timeout=20)  # claims (plain, capped, ordered), begins, settles
     assert report.delivered == 6 and report.count(Outcome.PARKED) == 1
     assert sorted(c for c, _ in ran) == sorted(["r.ok", "r.txn", "r.cap", "r.cap"] + ["r.line"] * 2)
-    assert {s.family: s.parked for s in d.status()}["plain"] == 1
+    assert {s.family: s.parked for s in d.ops.status()}["plain"] == 1
     [parked] = d.store.parked_list()
-    assert d.parked_retry(ids=[parked["id"]]) == [parked["id"]]
+    assert d.ops.parked_retry(ids=[parked["id"]]) == [parked["id"]]
     deadline = time.monotonic() + 10
     while not d.store.parked_list():  # it fails twice more and is parked again
         assert time.monotonic() < deadline, "the retried row was not parked again"
         d.drain(timeout=5)
         time.sleep(0.02)
-    assert d.parked_purge(family="plain") == [parked["id"]]
+    assert d.ops.parked_purge(family="plain") == [parked["id"]]
 
     name = f"roles-{uuid.uuid4().hex[:6]}"
-    d.cron(name, "* * * * * *", "r.ok", {"kind": "cron"}, catch_up="latest")
-    d.run_cron()  # creates the schedule's row
+    d.ops.cron(name, "* * * * * *", "r.ok", {"kind": "cron"}, catch_up="latest")
+    d.ops.run_cron()  # creates the schedule's row
     time.sleep(1.1)
-    assert d.run_cron() == {name: 1}
+    assert d.ops.run_cron() == {name: 1}
 
     time.sleep(0.1)  # past the retention of the delivered rows
-    assert sum(d.prune().values()) >= 1
+    assert sum(d.ops.prune().values()) >= 1
 
 
 def test_a_migrate_role_that_only_owns_its_schema_can_migrate(

@@ -62,18 +62,18 @@ def test_a_server_with_other_date_and_interval_styles_delivers_parks_and_shows_i
     report = d.drain(timeout=20)
     assert report.delivered == 2 and report.count(Outcome.PARKED) == 1
     assert sorted(ran) == sorted([good, capped])
-    assert {s.family: s.parked for s in d.status()}["plain"] == 1
+    assert {s.family: s.parked for s in d.ops.status()}["plain"] == 1
     [parked] = d.store.parked_list()
     assert parked["id"] == bad and parked["parked_at"] >= parked["created_at"]
-    assert d.parked_purge(family="plain") == [bad]
+    assert d.ops.parked_purge(family="plain") == [bad]
 
     with psycopg.connect(url) as conn, conn.transaction():  # a delayed row, cancelled
         later = d.enqueue(conn, "s.ok", {}, delay=timedelta(minutes=5))
         assert d.cancel(conn, later, reason="styles").cancelled == [later]
-    d.cron("styles", "* * * * * *", "s.ok", {"kind": "cron"}, catch_up="latest")
-    assert d.run_cron() == {}  # creates the schedule's row
+    d.ops.cron("styles", "* * * * * *", "s.ok", {"kind": "cron"}, catch_up="latest")
+    assert d.ops.run_cron() == {}  # creates the schedule's row
     time.sleep(1.1)
-    assert d.run_cron() == {"styles": 1}  # reads and writes the schedule's times
+    assert d.ops.run_cron() == {"styles": 1}  # reads and writes the schedule's times
     assert d.drain(timeout=20).delivered == 1
 
 
@@ -118,7 +118,7 @@ def test_a_server_that_ends_idle_sessions_ends_none_of_ours(
                 woke.set()
             return ClaimReport()
 
-        listener = d.commit_listener()
+        listener = d.runtime.commit_listener()
         listener.sweep = None
         listener.claim = woken
         listener.start()

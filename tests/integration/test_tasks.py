@@ -408,7 +408,7 @@ def test_the_worker_delivers_a_call_under_the_tasks_own_name(
     t = task()
     with tx():
         row_id = t.delay("hello").row_id
-    dispatcher.claim_and_publish(["job"])
+    dispatcher.runtime.claim_and_publish(["job"])
     deadline = time.monotonic() + 20
     while not calls and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -45,12 +45,12 @@ def test_claimer_publishes_ids_and_tokens_and_the_worker_delivers_once(
     with psycopg.connect(database_url) as conn, conn.transaction():
         ids = [dispatcher.enqueue(conn, email, secret, actor="order:42") for _ in range(20)]
         ids.append(dispatcher.enqueue(conn, job, secret, actor="order:7"))
-    report = dispatcher.claim_and_publish()
+    report = dispatcher.runtime.claim_and_publish()
     assert report.claimed == {"intent": 20, "quick": 1}
     _wait(lambda: count_rows(database_url, dispatcher.schema) == 0)
     assert sorted(effects.rows(email) + effects.rows(job)) == sorted(ids)
     # nothing more to claim, nothing delivered twice
-    assert dispatcher.claim_and_publish().total == 0
+    assert dispatcher.runtime.claim_and_publish().total == 0
     time.sleep(0.2)
     assert len(effects.calls) == 21
 

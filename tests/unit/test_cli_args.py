@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox_dispatch.ops.cli import _metrics_options_first, build_parser
+from outbox_dispatch.ops.cli.parser import _metrics_options_first, build_parser
 
 
 def test_worker_metrics_options_are_found_among_celerys() -> None:

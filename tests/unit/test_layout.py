@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("claim",),
     ("worker",),
     ("celery",),
-    ("", "dispatcher", "databases", "operations", "settings"),  # "" is the package's __init__
+    ("databases", "runtime", "settings", "operations"),
+    ("", "dispatcher"),  # "" is the package's __init__
     ("demo",),
     ("ops",),
     ("contrib", "pytest_plugin"),

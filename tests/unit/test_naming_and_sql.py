@@ -22,7 +22,7 @@ from outbox_dispatch.core.naming import identifier, quoted
 from outbox_dispatch.core.settle import BATCH_QUERY, QUERY
 from outbox_dispatch.core.tables import table
 from outbox_dispatch.store.sqlfiles import migrations, queries_for, raw_queries
-from outbox_dispatch.worker.delivery import parse_message
+from outbox_dispatch.worker.messages import parse_message
 
 
 @pytest.mark.parametrize(

@@ -40,11 +40,11 @@ def test_fast_message_matches_celerys(dispatcher: Dispatcher, family: str) -> No
     row = Claimed(42, uuid.uuid4(), "email.send", "customer-7", 3)
     ours, theirs = Recorder(), Recorder()
 
-    dispatcher.publisher._send(
+    dispatcher.runtime.publisher._send(
         ours, queue, [((row.id, str(row.token)), message_options(fam, row, queue))]
     )
     options = message_options(fam, row, queue)
-    task = dispatcher._deliver_task
+    task = dispatcher.runtime.deliver_task
     message = dispatcher.app.amqp.create_task_message(
         "id-1",
         task.name,
@@ -78,7 +78,7 @@ def test_publish_signal_listeners_get_celerys_own_path(dispatcher: Dispatcher) -
     def listener(sender: Any = None, **kw: Any) -> None:
         seen.append(kw["headers"]["shadow"])
 
-    publisher = Publisher(dispatcher.app, dispatcher._deliver_task)
+    publisher = Publisher(dispatcher.app, dispatcher.runtime.deliver_task)
     queue = dispatcher.queue_name("intent")
     assert not publisher._needs_celery_path(queue)
     signals.before_task_publish.connect(listener, weak=False)

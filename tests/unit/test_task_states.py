@@ -6,7 +6,7 @@ import pytest
 
 from outbox_dispatch.celery.task_states import Report, TaskState, task_state
 from outbox_dispatch.core.settle import Outcome
-from outbox_dispatch.worker.delivery import Result
+from outbox_dispatch.worker.messages import Result
 
 
 @pytest.mark.parametrize(

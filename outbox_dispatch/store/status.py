@@ -1,0 +1,131 @@
+"""What an operator reads and does: counts per family, parked rows listed, retried or purged,
+rows found by id, actor or dedupe key, and a row's state."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from psycopg.rows import dict_row
+
+from outbox_dispatch.core.rows import FamilyStatus
+from outbox_dispatch.store.connections import StoreBase, translated
+from outbox_dispatch.store.ordered import actor_lock
+
+
+class StatusQueries(StoreBase):
+    """Status reads and parked rows' changes (sql/status.sql)."""
+
+    def status(self) -> list[FamilyStatus]:
+        with translated("status"), self._starting() as conn:
+            rows = conn.execute(self.q["status_families"]).fetchall()
+        return [
+            FamilyStatus(
+                family=r[0],
+                due=int(r[1]),
+                scheduled=int(r[2]),
+                in_flight=int(r[3]),
+                parked=int(r[4]),
+                cancelled=int(r[5]),
+                done=int(r[6]),
+                oldest_due_age=float(r[7]),
+                maybe_applied=int(r[8]),
+            )
+            for r in rows
+        ]
+
+    def cap_status(
+        self, families: list[str]
+    ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str, int]]]:
+        """Waiting and blocked counts per family, and in-flight counts per (family, actor)."""
+        with translated("status"), self._starting() as conn:
+            counts = conn.execute(
+                self.q["status_waiting_blocked"], {"families": families}
+            ).fetchall()
+            actors = conn.execute(
+                self.q["status_actors_in_flight"], {"families": families}
+            ).fetchall()
+        return (
+            {r[0]: (int(r[1]), int(r[2])) for r in counts},
+            [(r[0], r[1], int(r[2])) for r in actors],
+        )
+
+    def parked_list(
+        self, *, family: str | None = None, limit: int | None = 100
+    ) -> list[dict[str, Any]]:
+        with (
+            translated("parked list"),
+            self._starting() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            params = {"family": family, "limit": limit, "ids": None}
+            return cur.execute(self.q["parked_list"], params).fetchall()
+
+    def parked_retry(
+        self,
+        *,
+        ids: list[int] | None = None,
+        family: str | None = None,
+        ordered: Mapping[str, bool] | None = None,
+    ) -> list[int]:
+        """Parked rows due again, attempts reset; in ordered families the retried rows get back
+        in line and an actor without a head gets its lowest row, all in one transaction."""
+        return self._parked_change(True, ids, family, ordered or {})
+
+    def parked_purge(
+        self,
+        *,
+        ids: list[int] | None = None,
+        family: str | None = None,
+        ordered: Mapping[str, bool] | None = None,
+    ) -> list[int]:
+        """Delete parked rows; an ordered actor whose parked head is gone gets its next row."""
+        return self._parked_change(False, ids, family, ordered or {})
+
+    def _parked_change(
+        self, retry: bool, ids: list[int] | None, family: str | None, ordered: Mapping[str, bool]
+    ) -> list[int]:
+        sel = {"ids": ids, "family": family, "limit": 1_000_000}
+        query = self.q["parked_retry"] if retry else self.q["parked_purge"]
+        action = "parked retry" if retry else "parked purge"
+        with translated(action), self._starting() as conn, conn.transaction():
+            found = conn.execute(self.q["parked_list"], sel).fetchall()
+            lines = sorted({(r[1], r[3]) for r in found if r[1] in ordered and r[3] is not None})
+            for fam, actor in lines:
+                lock = actor_lock(self.schema, fam, actor)
+                conn.execute(self.q["ordered_lock_actor"], {"lock_name": lock})
+            chosen = [int(r[0]) for r in found]
+            rows = conn.execute(query, {"ids": chosen, "family": None}).fetchall()
+            done = sorted(int(r[0]) for r in rows)
+            in_line = [int(r[0]) for r in rows if r[1] in ordered and r[2] is not None]
+            if retry and in_line:
+                conn.execute(self.q["ordered_block_rows"], {"ids": in_line})
+            by_family: dict[str, list[str]] = {}
+            for fam, actor in lines:
+                by_family.setdefault(fam, []).append(actor)
+            for fam, actors in by_family.items():
+                conn.execute(
+                    self.q["ordered_promote"],
+                    {"family": fam, "actors": actors, "parked_blocks": ordered[fam]},
+                )
+        return done
+
+    def find_rows(self, text: str, families: list[str], *, limit: int = 50) -> list[dict[str, Any]]:
+        """Rows whose id, exact actor (in ``families``) or exact dedupe key is ``text``."""
+        row_id = int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
+        params = {"id": row_id, "text": text, "families": families, "limit": limit}
+        with (
+            translated("find rows"),
+            self._starting() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(self.q["status_find_rows"], params).fetchall())
+
+    def row_state(self, row_id: int) -> str | None:
+        """``parked``, ``cancelled``, ``done`` or ``live``; None when there is no such row."""
+        with translated("row state"), self._starting() as conn:
+            row = conn.execute(self.q["status_row_state"], {"id": row_id}).fetchone()
+        if row is None:
+            return None
+        parked, cancelled, done = row
+        return "parked" if parked else "cancelled" if cancelled else "done" if done else "live"

@@ -1,0 +1,70 @@
+"""A delivery message and what comes of it: the (row id, claim token) pairs it names, and each
+row's Result."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.core.rows import Started
+from outbox_dispatch.core.settle import Outcome
+
+MAX_ERROR_LENGTH = 4000
+
+
+@dataclass(frozen=True)
+class Result:
+    outcome: Outcome
+    row_id: int | None
+    detail: str = ""  # the error of a retried or parked attempt, why a message was stale
+    due_in: float | None = None  # retried: seconds until the row is due again
+
+
+def parse_message(args: tuple[Any, ...]) -> tuple[int, UUID] | None:
+    """A delivery message is exactly (row id, claim token); anything else is garbage."""
+    if len(args) != 2:
+        return None
+    row_id, token = args
+    if isinstance(row_id, bool) or not isinstance(row_id, int) or row_id <= 0:
+        return None
+    if not isinstance(token, str):
+        return None
+    try:
+        return row_id, UUID(token)
+    except ValueError:
+        return None
+
+
+MAX_BATCH = 1000
+
+
+def parse_batch(args: tuple[Any, ...]) -> list[tuple[int, UUID]] | None:
+    """A batched message is one list of [row id, claim token] pairs."""
+    if len(args) != 1 or not isinstance(args[0], list) or not 0 < len(args[0]) <= MAX_BATCH:
+        return None
+    pairs = []
+    for item in args[0]:
+        pair = parse_message(tuple(item)) if isinstance(item, list | tuple) else None
+        if pair is None:
+            return None
+        pairs.append(pair)
+    return pairs
+
+
+def describe_error(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return mask_dsn(text)[:MAX_ERROR_LENGTH]  # a handler's own DB error may quote its URL
+
+
+def row_fields(s: Started) -> dict[str, Any]:
+    """The row fields of a started row's log lines."""
+    return {
+        "row_id": s.id,
+        "family": s.family,
+        "command": s.command,
+        "actor": s.actor,
+        "attempt": s.attempts,
+    }
