@@ -3,9 +3,8 @@ lives in the database that holds that change; a shop with several databases (sha
 Django aliases) has an outbox in each. Each database gets its own pools, claimer, commit
 listener, delivery and maintenance; families, handlers, queues and the Redis caps are shared.
 
-A delivery message names its database only when it is not the first one: the first database's
-messages keep the two shapes every earlier version sent, so adding a database to a running shop
-leaves the messages already queued valid.
+A delivery message names its database only when it is not the first one, so the messages already
+queued stay valid when a database is added to a running shop.
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ class Database:
 def pick(databases: Mapping[str, Database], conn: Conn, name: str | None = None) -> Database:
     """The database of the caller's connection. ``name`` says it outright (for a proxy that
     hides where a connection goes); a connection that is plainly to another of our databases
-    is still refused. With one database nothing is checked, as before there were several."""
+    is still refused. With one database nothing is checked: every row goes to it."""
     if name is not None and name not in databases:
         raise UnknownDatabase(
             f"no database {name!r}: this dispatcher has {', '.join(map(repr, databases))}"
@@ -147,8 +146,8 @@ def _by_connection(databases: Mapping[str, Database], conn: Conn) -> Database | 
 
 
 def message_args(database: Database, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A delivery message's args: the first database's as they always were, another's with
-    its name in front."""
+    """A delivery message's args: the first database's unchanged, another's with its name in
+    front."""
     return args if database.primary else (database.name, *args)
 
 

@@ -53,7 +53,7 @@ class Runtime:
         """Each database's store, claimer, delivery and maintenance; a claimer sees every
         store, since a caps rebuild reads them all."""
         s, d = self.settings, self.dispatcher
-        several = len(s.urls) > 1  # then a database that stops answering is skipped (health.py)
+        several = len(s.urls) > 1  # then a database that is down is skipped (store/health.py)
         stores = {
             name: Store(
                 url,
@@ -125,7 +125,7 @@ class Runtime:
 
     def commit_listener(self, database: str | None = None) -> CommitListener:
         """The commit listener of one database (the first by default) that a worker runs
-        (listener.py); also usable on its own. It claims that database only."""
+        (claim/listener.py); also usable on its own. It claims that database only."""
         d = self.dispatcher
         db = d.database(database)
         return CommitListener(
@@ -226,7 +226,7 @@ class Runtime:
         self, args: tuple[Any, ...], routing_key: str | None, stop_at: float | None = None
     ) -> list[Result]:
         """Run one delivery message (the ``outbox.deliver`` task) against the database it
-        names; ``stop_at``: when Celery's soft time limit for it passes (wiring.py)."""
+        names; ``stop_at``: when Celery's soft time limit for it passes (celery/wiring.py)."""
         d = self.dispatcher
         prefix = self.settings.queue_prefix + "."
         hint = (

@@ -4,9 +4,8 @@ of every database. Each database's caps lock is held, exclusively, from reading 
 the restored set is marked complete, so no capped claim anywhere takes a slot in between; the
 locks are taken in the order of the databases' names, the same in every process whatever order
 its configuration lists them in (locks on two servers can deadlock past Postgres's sight). A
-database that
-cannot be read stops the rebuild (capped rows everywhere wait for it): restoring without its
-holders would let their actors past their caps."""
+database that cannot be read stops the rebuild (capped rows everywhere wait for it): restoring
+without its holders would let their actors past their caps."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ class Caps:
         self._lock = ForkSafeLock()
         self._scripts: dict[str, Any] = {}
         self._run_id_seen: str | None = None  # the server's, read on a claim after a connect
-        # the databases whose claimers take freed slots (None: the first, keys as before)
+        # the databases whose claimers take freed slots (None: the first, whose keys name none)
         self.databases: list[str | None] = [None]
         self._writes = PipelinedSlotWrites(self)
 
@@ -257,7 +257,7 @@ class Caps:
     ) -> set[Wake]:
         """``release`` for the slots of finished rows, sent without waiting for Redis's
         answers (caps/releases.py); returns the claimers to wake, as (family, database), from
-        the answers read (also of releases held for other databases of this process): all of
+        the answers read (also of releases this process sent for its other databases): all of
         them with ``wait``, else those already in. A failure is logged: the slots expire with
         their leases, the cap stays safe."""
         return self._writes.release(slots, database, wait=wait)

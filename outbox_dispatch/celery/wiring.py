@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from outbox_dispatch.worker.messages import Result
 
 DELIVER_TASK = "outbox.deliver"  # every delivery message: one row, or a batch of them
-DELIVER_ROW_TASK = "outbox.deliver_row"  # the one-row messages of versions before 0.2
+DELIVER_ROW_TASK = "outbox.deliver_row"  # still run: messages queued under this name
 DELIVER_TASKS = frozenset({DELIVER_TASK, DELIVER_ROW_TASK})
 CLAIM_TASK = "outbox.claim"
 CLAIM_ENTRY = "outbox-dispatch claimer"
@@ -79,8 +79,8 @@ def register_tasks(
     A delivery message is acknowledged once it ends and given back to the broker when its pool
     process dies (acks_late, reject_on_worker_lost): the rows after the one that was running
     then run at once, not after their lease (the row that was running is refused at its second
-    start, and its lease decides). ``outbox.deliver_row`` runs the one-row messages that
-    workers of versions before 0.2 published, while a deploy rolls."""
+    start, and its lease decides). ``outbox.deliver_row`` stays registered so that one-row
+    messages already queued under that name run during a rolling deploy."""
     common: dict[str, Any] = {
         "base": Task,  # Celery's own, also in an app whose task_cls is OutboxTask
         "shared": False,  # a shared task would be added to every other Celery app in the process
@@ -256,7 +256,8 @@ def _on_signals(fn: Callable[[], None], *sent: Any) -> None:
 
 def install_listener_step(app: Any, make: Callable[[], list[CommitListener]]) -> None:
     """Run the commit listeners (one per database) in a process each worker forks once its
-    pool has started (listener.ListenerProcess), apart from the process that consumes."""
+    pool has started (claim/listener.py's ListenerProcess), apart from the process that
+    consumes."""
     from celery import bootsteps
 
     from outbox_dispatch.claim.listener import ListenerProcess

@@ -106,7 +106,7 @@ class CappedClaims:
 
     def _release_lapsed(self, family: Family, lapsed: list[LapsedHolder], caps: Caps) -> bool:
         """Give back the slots of started attempts whose lease ran out, before this claim takes
-        slots: a start leaves a young claim's slot to run to the claim's lease (delivery.py),
+        slots: a start leaves a young claim's slot to run to the claim's lease (worker/slots.py),
         so a killed worker's slots end here, with their rows' leases, not a lease later. The
         release notes each freed slot, as a settle's does, so the actor's waiting rows come
         in with the next claim (True: the caller asks for it, once this one committed)."""

@@ -334,8 +334,7 @@ class Claimer:
                 elif result.limit == 0:
                     # every in-flight slot is taken: the listener tries again shortly (one
                     # bounded count along the outbox_claimed index), so rows that settle free
-                    # room within a refill interval, not at beat's next pass (the backpressure
-                    # scenario idled half its time waiting for beat)
+                    # room within a refill interval, not at beat's next pass
                     report.saturated.add(family.name)
             pending = full
             if time.monotonic() >= deadline:
@@ -382,8 +381,7 @@ class Claimer:
         """The families a pass must claim: those with a due row (one statement for all), and
         capped ones whose actors freed slots since their last claim (one Redis round trip),
         since a freed slot makes a waiting row due in the claim itself. An idle pass over
-        many families then costs two round trips, not a claim transaction each (two idle
-        capped families took a pool process 1.3 ms a second, every second)."""
+        many families then costs two round trips, not a claim transaction each."""
         due = self.store.families_due([f.name for f in families])
         capped = [f.name for f in families if self.is_capped(f) and f.name not in due]
         if capped and self.caps is not None:

@@ -1,6 +1,6 @@
-"""Commit-to-start latency: enqueue sends a NOTIFY that Postgres delivers at commit, and a
-listener in one worker process claims at once, so the beat interval is not the latency (the
-beat entry stays as the safety net).
+"""The commit listener, which keeps commit-to-start latency low: enqueue sends a NOTIFY that
+Postgres delivers at commit, and the listener of one worker claims at once, so the beat interval
+is not the latency (the beat entry stays as the safety net).
 
 One listener per schema across all workers: the first takes a session advisory lock, the
 others wait to take over if it dies. The listener claims serially: notifications that arrive
@@ -11,7 +11,7 @@ starting, a standby taking over) sent notifications that no one received. Every 
 seconds (the dispatcher's ``claim_interval``) it claims every family again, for rows that come
 due without a commit (delays, retries, lapsed leases): beat's claim entry, which would send a
 task to a pool process every second for that, then runs only as the safety net (every
-``timings.SAFETY_INTERVAL``), since each of its ticks delayed the deliveries around it.
+``timings.SAFETY_INTERVAL``), since each of its ticks delays the deliveries around it.
 
 A family whose claim stopped at its in-flight limit (or a full queue), or that was left
 because its queue holds work for every consumer (policy.claim_can_wait: its rows are claimed
@@ -22,13 +22,11 @@ rows at a time.
 
 A capped family whose claim took freed cap slots is claimed again ``trail`` seconds later
 (the caps' wake window). A release wakes the claimer only once per window (caps_release.lua),
-so the slots freed after a claim took the first ones, within the same window, announced
-nothing: when they were the last of a backlog's releases, their actors' waiting rows sat
-until the next sweep, with every slot free (a backlog of 50 actors at cap 4 drained at
-260-290 rows/s, and at 1,620 with the trailing claim). The trailing claim takes them; it
-repeats while claims find freed slots, and one that finds none ends it. Slots are noted freed
-only while rows wait for them (caps_acquire.lua), so a capped family at low load starts no
-trail.
+so slots freed within the same window after a claim took the first ones announce nothing, and
+their actors' waiting rows would sit until the next sweep with every slot free. The trailing
+claim takes them; it repeats while claims find freed slots, and one that finds none ends it.
+Slots are noted freed only while rows wait for them (caps_acquire.lua), so a capped family at
+low load starts no trail.
 """
 
 from __future__ import annotations
@@ -131,10 +129,11 @@ class CommitListener:
 
     def _serve(self) -> None:
         with psycopg.connect(self.database_url, autocommit=True) as conn:
-            # its waits are idle: a server's idle_session_timeout must not end them (session.sql)
+            # its waits are idle: a server's idle_session_timeout must not end them
+            # (sql/session.sql)
             q = raw_queries()
             conn.execute(q["session_defaults"])
-            lock = f"{self.schema}.wake-listener"  # kept: listeners of older versions share it
+            lock = f"{self.schema}.wake-listener"  # the same in every version: one listener leads
             while not self._stop.is_set():
                 row = conn.execute(
                     "SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (lock,)
@@ -197,8 +196,9 @@ class CommitListener:
 
 
 def family_of(payload: str) -> str:
-    """The family a NOTIFY wakes. Producers of versions before 0.2 name their transaction's
-    first row, as a JSON array whose first item is the family, while a deploy rolls."""
+    """The family a NOTIFY wakes: the payload is its name, or a JSON array whose first item
+    is the family (a row-naming payload, read so that a rolling deploy leaves no commit
+    unclaimed)."""
     if payload.startswith("["):
         try:
             first = json.loads(payload)[0]
@@ -217,12 +217,12 @@ class ListenerProcess:
     """A worker's commit listeners, run in a process of their own.
 
     A listener claims (a transaction in Postgres) and publishes (a round trip to the broker)
-    for every commit it hears of. In the worker's main process it shared one interpreter
-    with Celery's consumer, which fetches and hands out every delivery message, and at a
-    couple of hundred commits a second each waited on the other. The child is forked from
-    the worker's main process once its pool has started; it stops with the worker, or when
-    it finds its parent gone (a worker killed with -9), which ends its Postgres sessions and
-    so passes the listener's lock to another worker's listener."""
+    for every commit it hears of; in a process of its own it shares no interpreter with
+    Celery's consumer, which fetches and hands out every delivery message, so under a stream
+    of commits neither waits on the other. The child is forked from the worker's main process
+    once its pool has started; it stops with the worker, or when it finds its parent gone (a
+    worker killed with -9), which ends its Postgres sessions and so passes the listener's lock
+    to another worker's listener."""
 
     def __init__(self, make: Callable[[], list[CommitListener]]) -> None:
         self.make = make

@@ -1,12 +1,12 @@
 """Delivery messages onto the broker, fast.
 
 A claim publishes hundreds of messages that differ only in row id, token and display fields,
-and ``apply_async`` rebuilds the whole Celery message, route and retry policy for each one
-(it was most of a worker's claim time). Here Celery builds one message per claim, which is the
-template; each row's message is a copy with its own task id, args and display fields, sent as
-pre-serialized JSON through one pipelined producer. The result is the message ``apply_async``
-would send from outside a task (a test compares them field by field); each delivery is its own
-root in Flower, not a child of the claim task that published it.
+and ``apply_async`` rebuilds the whole Celery message, route and retry policy for each one.
+Here Celery builds one message per claim, which is the template; each row's message is a copy
+with its own task id, args and display fields, sent as pre-serialized JSON through one
+pipelined producer. The result is the message ``apply_async`` would send from outside a task (a
+test compares them field by field); each delivery is its own root in Flower, not a child of
+the claim task that published it.
 
 Whoever listens to Celery's publish signals (tracing integrations, tests) or asked for
 task-sent events gets ``apply_async`` itself, so nothing they rely on is skipped.
@@ -170,7 +170,7 @@ def _batched(producer: Any, messages: int) -> Iterator[None]:
     """Publish through one pipeline per claim (kombu >= 5.7's Producer.batch): the messages
     leave together when the block ends, after the claim committed. A lone message goes
     straight out: the pipeline would cost more than it saves (redis-py builds each one with
-    its own copy of the response callbacks, about 0.1 ms, on the commit wake's path)."""
+    its own copy of the response callbacks, on the commit wake's path)."""
     batch = getattr(producer, "batch", None)
     if batch is None or messages <= 1:
         yield

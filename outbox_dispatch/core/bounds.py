@@ -17,11 +17,11 @@ MAX_INTERVAL = MAX_LEASE  # claim_interval and prune_interval
 MAX_RETENTION = 100 * 365.25 * 86400  # 100 years; math.inf keeps rows forever
 MAX_BACKOFF = 365.25 * 86400  # a backoff's cap: one year
 # enqueue's delay and at=, and a handler's RetryLater: far enough for any schedule, near
-# enough that now() + delay stays inside Postgres' range (a longer one failed in SQL and left
-# the caller's transaction aborted) and that psycopg can read the instant back
+# enough that now() + delay stays inside Postgres' range (a longer one fails in SQL and aborts
+# the caller's transaction) and that psycopg can read the instant back
 MAX_DELAY = timedelta(days=100 * 366)
-# Counts the SQL takes as int parameters (limits, attempts): one past this failed every claim
-# of the family in Postgres ("integer out of range"), forever.
+# Counts the SQL takes as int parameters (limits, attempts): one past this would fail every
+# claim of the family in Postgres ("integer out of range").
 MAX_COUNT = 2**31 - 1
 MAX_ROW_ID = 2**63 - 1  # row ids are bigint
 

@@ -55,8 +55,8 @@ class Schedule:
                 f"cron schedule {self.name!r}: window must be a timedelta above 0 and at most "
                 f"{MAX_DELAY.days} days, got {self.window!r}"
             )
-        # a valid expression that names no date ('0 0 30 2 *', a year gone by) made every
-        # run_cron fail, the other schedules' ticks with it: refused here, once
+        # a valid expression that names no date ('0 0 30 2 *', a year gone by) would fail every
+        # run_cron, the other schedules' ticks with it: refused here, once
         try:
             croniter(self.expr, datetime.now(UTC)).get_next(datetime)
         except Exception as exc:  # croniter's CroniterBadDateError, or worse

@@ -117,7 +117,7 @@ class RetryLater(OutboxError):
         seconds = real_seconds(delay)
         if seconds is None or not (math.isfinite(seconds) and seconds <= _MOST_DELAY):
             # refused here, in the handler: it fails as any error does (retried with backoff,
-            # its row's last_error says why); found at the settle, it lost the attempt
+            # its row's last_error says why); found at the settle, it would lose the attempt
             wrong = TypeError if seconds is None else ValueError
             raise wrong(
                 "RetryLater delay must be seconds (a number, or a timedelta) up to "

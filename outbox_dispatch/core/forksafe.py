@@ -1,12 +1,11 @@
-"""Locks a forked child gets unlocked.
+"""Fork-safe locks: every forked child gets each of them new and unlocked.
 
-Celery's prefork pool forks its children while the worker's main process runs threads of
-ours (the commit listeners claim in their own threads, and a child is forked again whenever
-one exits). A child inherits every lock as it was at the fork: one that a listener thread
-held (creating a connection pool, say) stays locked forever in the child, whose first
-delivery then hangs (seen: one child in a few thousand rows, its message never settled).
-These locks are replaced in the child right after the fork, while it has only one thread;
-what they guard is itself rebuilt per process (pools, clients, threads) or harmless to keep.
+Celery's prefork pool forks its children (and forks again whenever one exits) while the
+worker's main process may run threads of ours, such as the metrics server's. A child inherits
+every lock as it was at the fork: one that such a thread held (creating a connection pool, say)
+stays locked forever in the child, whose first delivery then hangs. These locks are replaced
+in the child right after the fork, while it has only one thread; what they guard is itself
+rebuilt per process (pools, clients, threads) or harmless to keep.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class Registration:
     fn: HandlerFn | None  # None: declared by a producer that does not deliver it
     per_actor: int | None = None  # overrides the family's per-actor cap for this command
     transactional: bool = False  # fn gets ctx.conn; its writes commit with the settle
-    task: bool = False  # a Celery task's calls (tasks.py): Flower shows the task's own name
+    task: bool = False  # a Celery task's calls (celery/tasks.py): Flower shows its own name
 
 
 Resolver = Callable[[str], Registration | None]
@@ -65,7 +65,7 @@ Resolver = Callable[[str], Registration | None]
 
 class Registry:
     """Commands and their handlers. ``resolve`` finds a command nobody registered: a Celery
-    task's name, whose rows its calls wrote (tasks.py); what it finds is kept."""
+    task's name, whose rows its calls wrote (celery/tasks.py); what it finds is kept."""
 
     def __init__(self, resolve: Resolver | None = None) -> None:
         self._by_command: dict[str, Registration] = {}

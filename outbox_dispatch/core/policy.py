@@ -282,11 +282,10 @@ def claim_can_wait(queued_messages: int, consumers: int, most_per_message: int) 
     messages for every consumer, rows claimed now would only wait behind them, and a claim of
     the few rows that came due since the last one costs a round trip and a message per row.
     Left in Postgres, they are taken together by a later claim, which packs them
-    (rows_per_message). Without this, a backlog that builds under a stream of one-row commits
-    was claimed two or three rows at a time and kept growing (one worker offered 200 rows/s:
-    0.8-1.1 s from commit to start at the median, 48-76 ms with it). A family pinned to one
-    row per message is always claimed: its claim cannot pack, and SPREAD one-row messages per
-    consumer may run out before the next claim."""
+    (rows_per_message), so a backlog built by a stream of one-row commits is not claimed a few
+    rows at a time while it grows. A family pinned to one row per message is always claimed:
+    its claim cannot pack, and SPREAD one-row messages per consumer may run out before the next
+    claim."""
     return most_per_message > 1 and queued_messages >= max(1, consumers) * SPREAD
 
 
@@ -339,8 +338,8 @@ def family_is_capped(family: Family, has_command_caps: bool) -> bool:
 
 class Candidate(NamedTuple):
     """A due row of a capped family, as the capped claim sees it (rank 1 = actor's oldest).
-    A named tuple: a claim makes one per row it reads, and a frozen dataclass's ``__init__``
-    cost it several times as much."""
+    A named tuple, because a claim makes one per row it reads and a frozen dataclass's
+    ``__init__`` costs several times as much."""
 
     id: int
     actor: str | None

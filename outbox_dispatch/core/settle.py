@@ -1,7 +1,8 @@
 """The settle decision, pure: how an attempt ended decides which settle its row gets (and so
 which query of sql/settle.sql runs), and what the settle that applied means for the caller.
 
-delivery.py runs the attempt and applies the decision; store.py runs the query it names.
+worker/delivery.py runs the attempt, worker/settling.py applies the decision, and
+store/deliveries.py runs the query it names.
 """
 
 from __future__ import annotations

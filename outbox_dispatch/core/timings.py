@@ -1,7 +1,7 @@
 """Every timing window on a row's route, in one place; each says what it trades.
 
 Timeouts of failure handling (the listener's retry backoff, health probes, Redis renewals)
-and the run-time reports' schedule (runstats.py) live with their code: they decide how a
+and the run-time reports' schedule (claim/runstats.py) live with their code: they decide how a
 fault is met, not how long a healthy row waits.
 """
 

@@ -197,7 +197,7 @@ def check_cancel(
     if row_id is None and dedupe_key is None and actor is None:
         raise InvalidArgument("cancel needs a row id, a dedupe_key, or an actor")
     if sum(x is not None for x in (row_id, dedupe_key, actor)) > 1:
-        # they used to narrow each other, and a pending row matched nothing
+        # together they would narrow each other, and a row matching only one would be missed
         raise InvalidArgument(
             "cancel takes one of a row id, a dedupe_key or an actor: cancel each separately"
         )

@@ -6,8 +6,8 @@
 -- name: claim_lock_family
 -- Serializes one family's claims so the in-flight count cannot race; released at commit.
 -- Also turns bitmap scans off for the claim's transaction: a bitmap scan cannot skip the dead
--- index entries that settled rows leave behind until vacuum (seen: 66k entries, 4.5 ms per
--- in-flight count), while a plain index scan marks them dead once and then passes them by.
+-- index entries that settled rows leave behind until vacuum, so every in-flight count would
+-- read them all, while a plain index scan marks them dead once and then passes them by.
 -- Which of the claim and the delivery start waits for the WAL flush (policy.starts_flushed):
 -- - starts that flush: the claim does not (synchronous_commit off, this transaction only). A
 --   claim lost in a Postgres crash leaves its rows as they were, its messages carry tokens no
@@ -34,20 +34,20 @@ SELECT set_config('lock_timeout', '0', true),
 -- oldest first from the outbox_due index range, skipping rows another claimer holds, as many
 -- as the batch and the in-flight limit leave room for (live claims counted along the
 -- outbox_claimed index: a claim whose lease ran out is not in flight, started or not, since
--- its holder is dead or stalled and the row is due again). Count, pick and lease are one statement so that a claim is one
--- round trip with the lock (pipelined): the statement's snapshot is taken after the lock is
--- granted, so the count sees every claim committed before.
+-- its holder is dead or stalled and the row is due again). Count, pick and lease are one
+-- statement so that a claim is one round trip with the lock (pipelined): the statement's
+-- snapshot is taken after the lock is granted, so the count sees every claim committed before.
 -- A previous claim that never started (its message was lost or came too late) does not count
 -- as an attempt; one that started and never settled was lost mid-run, so the next attempt is
 -- marked maybe_applied, and a lost last attempt parks the row instead of running it again
 -- (returned with no token). Where starts do not flush, a claim older than the server's start
--- counts as started: a Postgres crash may have lost its start after the handler ran. Each row is judged from its own columns and found by primary key:
--- no join, so no plan can turn the claim into a scan per row (a table without statistics
--- once got a nested loop of sequential scans: 5 s for 2,000 rows). Ids, when given, come sorted
--- (Store._lease), so a row's token is found by binary search (width_bucket), where a search
--- of the array per row made a claim quadratic (10 ms of a 2,000-row claim). The first column
--- is the room the pick had (NULL when ids were given); a last row with no id carries it even
--- when nothing was leased.
+-- counts as started: a Postgres crash may have lost its start after the handler ran. Each row
+-- is judged from its own columns and found by primary key: no join, so no plan can turn the
+-- claim into a scan per row (a nested loop of sequential scans, on a table without
+-- statistics). Ids, when given, come sorted (Store._lease), so a row's token is found by
+-- binary search (width_bucket), where a search of the array per row would make a claim
+-- quadratic. The first column is the room the pick had (NULL when ids were given); a last row
+-- with no id carries it even when nothing was leased.
 WITH room AS MATERIALIZED (
     -- live claims counted along the outbox_claimed index, at most max_in_flight of them
     SELECT greatest(0, least(%(batch)s::int, %(max_in_flight)s::int - (
@@ -148,7 +148,7 @@ ORDER BY r.rank, r.due_at, r.id;
 -- name: claim_lapsed_holders
 -- Started attempts of the family whose lease ran out: their worker died or stalled past the
 -- heartbeat timeout. Their cap slots still run to their claims' leases (a start does not
--- shorten a young claim's slot, delivery.py), so the claim gives them back before it takes
+-- shorten a young claim's slot, worker/slots.py), so the claim gives them back before it takes
 -- slots. All of them, along the outbox_claimed index (claimed rows only, so never the due
 -- backlog; a dead worker's rows are claimed again, under new tokens, by this very claim, so
 -- one left out here would keep its slot for a whole lease); an attempt that never started
@@ -179,8 +179,8 @@ RETURNING id;
 -- name: claim_freed_waiting
 -- Each slot freed since the last claim picks one waiting row of its actor (oldest first),
 -- locked as it is read: the claim offers them first, and leases those that get a slot
--- straight from waiting, so a freed slot costs its row no update of its own (as a promotion
--- to due and a second probe did: a quarter of a capped backlog's row updates).
+-- straight from waiting, so a freed slot costs its row no update of its own (no promotion to
+-- due, no second probe).
 SELECT w.id, f.actor, w.command
 FROM unnest(%(actors)s::text[], %(counts)s::int[]) AS f(actor, n)
 CROSS JOIN LATERAL (

@@ -1,5 +1,5 @@
 -- Settles: every one is fenced by the claim token and yields to a pending cancel request
--- (settle_cancel); settle.py decides which one applies.
+-- (settle_cancel); core/settle.py decides which one applies.
 
 -- name: settle_delete
 -- Every settle is fenced by the claim token and yields to a cancel request (settle_cancel).
@@ -33,8 +33,8 @@ RETURNING id;
 -- name: settle_cancel
 -- The claim holder settles a row someone asked to cancel: it keeps who, when and why. The
 -- request is taken only under the current token, with the row locked first: a stale holder's
--- settle must leave it for the current one (found by the model-based test: otherwise the
--- current holder's success deleted the row as delivered after the cancel).
+-- settle must leave it for the current one (otherwise the current holder's success would
+-- delete the row as delivered after the cancel).
 WITH held AS (
     SELECT id FROM __SCHEMA__.outbox
     WHERE id = %(id)s AND claim_token = %(token)s

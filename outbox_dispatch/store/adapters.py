@@ -26,8 +26,8 @@ def check_database_url(url: str) -> None:
             f"{mask_dsn(str(exc))}"
         ) from exc
     if "@" in str(params.get("host") or ""):
-        # libpq ends the password at its first '@': the rest became the host, and the
-        # server's "could not translate host name" quoted that piece of the password
+        # libpq ends the password at its first '@': the rest becomes the host, and the
+        # server's "could not translate host name" would quote that piece of the password
         raise ConfigurationError(
             f"database_url {mask_dsn(url)!r}: its password holds an '@', which ends it early; "
             "write it as %40"

@@ -76,7 +76,7 @@ class ClaimQueries(StoreBase):
         return f"{self.schema}.claim.{family.name}"
 
     def starts_flushed(self, family: Family | None) -> bool:
-        """Whether this family's delivery starts wait for their WAL flush (policy.py)."""
+        """Whether this family's delivery starts wait for their WAL flush (core/policy.py)."""
         return starts_flushed(family, self.flushed_starts)
 
     def claim_capped(
@@ -95,8 +95,7 @@ class ClaimQueries(StoreBase):
 
         Two pipelined round trips around ``decide``: the locks, the freed rows, the lapsed
         holders and the candidates in one; the lease, the rows set waiting or due and the
-        commit in the other (each round trip is a wait for the GIL on a busy worker's
-        listener)."""
+        commit in the other."""
         with (
             translated(f"claim of family {family.name}"),
             self._starting() as conn,

@@ -99,7 +99,7 @@ class StoreBase:
         flushed_starts: bool = False,
     ) -> None:
         self.database_url = database_url
-        self.flushed_starts = flushed_starts  # every start waits for its flush (policy.py)
+        self.flushed_starts = flushed_starts  # every start waits for its flush (core/policy.py)
         self.name = name  # the dispatcher's name for this database
         self.breaker = breaker
         self.schema = schema
@@ -135,7 +135,7 @@ class StoreBase:
         """A connection for anything but finishing work already running (a claim, a delivery
         start, a claim request, status and maintenance reads). With a breaker (several
         databases, health.py), it fails at once while this database is down, and a failure to
-        reach it opens the breaker; a pool that is merely busy is waited for, as always."""
+        reach it opens the breaker; a pool that is merely busy is waited for, as without one."""
         if self.breaker is None:
             with self.connection() as conn:
                 yield conn
@@ -153,7 +153,7 @@ class StoreBase:
                     "the other databases go on"
                 ) from exc
             try:
-                conn = pool.getconn()  # it answers: the pool is busy, wait as always
+                conn = pool.getconn()  # it answers: the pool is busy, wait as without a breaker
             except BaseException:
                 self.breaker.abandoned(admission)
                 raise

@@ -21,7 +21,7 @@ PROBE_TIMEOUT = 2.0  # seconds a probe waits for a pool connection before it cou
 # seconds new work waits for a pool connection before asking whether the database answers at
 # all (a worker process starting while a database is down would otherwise lose the pool's own
 # 30 s for it); when a connection of its own gets through, the pool is only busy, and the work
-# waits for it as it always did
+# waits for it as it would without a breaker
 NEW_WORK_TIMEOUT = 3.0
 PROBE_CONNECT_TIMEOUT = 2  # seconds that connection of its own may take (libpq: whole seconds)
 

@@ -31,7 +31,7 @@ def _mask_pool_logs() -> None:
 
 def _session(conn: Conn) -> None:
     """Every session of our pools, whatever the server's, role's, URL's or pooler's defaults
-    (session.sql's session_defaults):
+    (sql/session.sql's session_defaults):
 
     - READ COMMITTED, for transaction blocks and for lone statements alike: a claim counts
       what is in flight after it holds the family lock, so its statements need snapshots
@@ -53,7 +53,7 @@ def _main_session(conn: Conn) -> None:
     disk, locally where the default is ``synchronous_commit=off``: a retry, park, cancel or
     ordered settle lost in a crash of Postgres would run its row again. The writes that need
     not wait say so per transaction (settle_without_flush, and the claim or the start,
-    whichever does not flush: guarantees.md)."""
+    whichever does not flush: docs/guarantees.md)."""
     q = raw_queries()
     _session(conn)
     conn.execute(q["session_commits_flush"])

@@ -24,8 +24,8 @@ class Migration:
 @cache
 def raw_queries() -> dict[str, str]:
     """Every named query of sql/*.sql (one file per concern: enqueue, claim, deliver, settle,
-    cancel, caps, ordered, maintenance, status, session), keyed by its ``-- name:`` line;
-    schema.sql names none."""
+    cancel, caps, ordered, maintenance, status, runstats, session), keyed by its ``-- name:``
+    line; schema.sql names none."""
     folder = resources.files("outbox_dispatch").joinpath("sql")
     queries: dict[str, str] = {}
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):

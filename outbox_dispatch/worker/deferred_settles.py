@@ -128,8 +128,8 @@ class DeferredSettles:
     def flush(self) -> None:
         """Settle everything pending now (the end of a batched message, worker shutdown,
         tests), and finish what the starts that carried settles left to do. A batch the
-        thread took and has not settled yet is waited for: returned before it, a flush at
-        shutdown let the process exit mid-statement, and the rows ran again."""
+        thread took and has not settled yet is waited for, so that a flush at shutdown does
+        not let the process exit mid-statement and the rows run again."""
         self._settle_now()
         self._wake.set()  # a thread waiting for a row that is settled now looks again
 
@@ -153,8 +153,8 @@ class DeferredSettles:
                     wait = self._wait()
                     # nothing pending, but a row came less than a window ago: rows are flowing,
                     # and a start has just taken the last one while the next handler runs (most
-                    # of a busy process's time). Idle then, the thread was woken again by
-                    # nearly every row delivered (two switches of the GIL a row); it looks
+                    # of a busy process's time). Idle then, the thread would be woken again by
+                    # nearly every row delivered (two switches of the GIL a row), so it looks
                     # again once the flow has paused for a window, and goes idle only then
                     quiet = wait is None and not self._after
                     flowing = (

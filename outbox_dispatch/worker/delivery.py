@@ -158,7 +158,7 @@ class Delivery:
         claimed again, uncounted, after their lease."""
         family = self.families.get(family_hint or "")
         hard = None if family is None else family.hard_time_limit()
-        # Celery's hard limit for the message is the rows' limits added up (publisher.py): a
+        # Celery's hard limit for the message is the rows' limits added up (claim/publisher.py): a
         # row past its own hard limit keeps its lease until then, when the pool process is
         # killed, so no second copy of it can start while it still runs.
         until = None if hard is None else time.monotonic() + hard * len(pairs)

@@ -1,5 +1,6 @@
 """A capped row's cap slot in the pool process: checked before the row starts, renewed by its
-heartbeats, and given back once it is settled so the claimer lets the actor's next row in."""
+heartbeats, and given back once its handler returned (a deferred settle) or its row is settled,
+so the claimer lets the actor's next row in."""
 
 from __future__ import annotations
 
@@ -192,7 +193,7 @@ class CapSlots:
         """The slot of a row whose handler returned and whose settle is deferred."""
         if self.caps is not None and (slot := self._slot_of(started)) is not None:
             # a cap counts running handlers: this one returned, so its slot goes back now
-            # (the answer, whether to wake the claimer, is read later: caps_pipelined)
+            # (the answer, whether to wake the claimer, is read later: caps/releases.py)
             self._woken(self.caps.release_settled([slot], self.caps_database, wait=False))
 
     def flush(self) -> None:

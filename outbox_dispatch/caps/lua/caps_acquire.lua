@@ -1,5 +1,5 @@
--- Take the cap slots of a claim's rows, in order, in one script run (a run per slot cost the
--- claim a script call each). KEYS[1] the "semaphores are complete" sentinel, KEYS[2] the
+-- Take the cap slots of a claim's rows, in order, in one script run (not a script call per
+-- slot). KEYS[1] the "semaphores are complete" sentinel, KEYS[2] the
 -- family's "rows wait for a slot" flag, KEYS[3..] each slot's semaphore (a sorted set: holder
 -- token -> lease end, ms; an actor's may repeat). ARGV: lease ms, 1 when the claim sets rows
 -- waiting anyway (its plan had more of an actor's rows than its cap) else 0, then token and

@@ -4,7 +4,7 @@
 -- (actor -> slots freed since the last claim), one per database: the cap is global, so the
 -- actor's waiting rows in any database may take it; KEYS[n+3..] each slot's semaphore. ARGV:
 -- wake window ms, n, unrenewed (1 or 0), then token and actor per slot. Several slots in one
--- run: a process's held releases (caps/releases.py).
+-- run: the lapsed holders a claim gives back (Caps.release_lapsed).
 -- unrenewed = 1 gives back only slots no heartbeat renewed since their claim took them or a
 -- rebuild restored them (the score still ends in .5: caps_acquire.lua, caps_restore.lua):
 -- their worker died before the first renewal, and the slot would otherwise run on to the

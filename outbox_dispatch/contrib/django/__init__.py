@@ -17,11 +17,11 @@ helpers refuse that unless you pass ``allow_autocommit=True``.
 Waking the claimer. The insert also sends a ``NOTIFY`` that Postgres delivers only at commit;
 with ``Dispatcher(listen=True)`` (the default) a worker's listener claims at once and a second
 wake would only add a claim pass per request. So a Celery wake
-(``dispatcher.request_claim``, one claim task) is registered with ``transaction.on_commit``
-only when the dispatcher does not listen, only for rows due now, and at most once per family
-per transaction (also when the same family is enqueued many times, or again after a savepoint
-that registered it was rolled back). It
-runs only after the commit, never after a rollback; if the process dies between the commit
+(``dispatcher.runtime.request_claim``, one claim task) is registered with
+``transaction.on_commit`` only when the dispatcher does not listen, only for rows due now, and
+at most once per family per transaction (also when the same family is enqueued many times, or
+again after a savepoint that registered it was rolled back). It runs only after the commit,
+never after a rollback; if the process dies between the commit
 and the wake, beat's claim entry finds the row within ``claim_interval``. Under manual
 transaction management (autocommit off, no atomic block) Django has no ``on_commit``, and
 the row waits for the listener or beat.

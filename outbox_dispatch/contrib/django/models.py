@@ -16,7 +16,7 @@ from django.db.models.functions import Cast, Now, NullIf
 
 from outbox_dispatch.core.rows import STATE_WORDS, state_of
 
-# The states an operator filters by (rows.STATE_WORDS), as conditions on the row.
+# The states an operator filters by (core/rows.py's STATE_WORDS), as conditions on the row.
 LIVE = Q(parked_at__isnull=True, cancelled_at__isnull=True, done_at__isnull=True)
 CONDITIONS: dict[str, Q] = {
     "due": LIVE & Q(due_at__lte=Now(), waiting=False, blocked=False),
@@ -68,7 +68,7 @@ class OutboxRow(models.Model):  # type: ignore[misc]
 
     @property
     def state(self) -> str:
-        """The row's state, in the words of the admin's filter (rows.state_of)."""
+        """The row's state, in the words of the admin's filter (core/rows.py's state_of)."""
         from django.utils import timezone
 
         fields = {f: getattr(self, f) for f in _STATE_FIELDS}
