@@ -109,12 +109,17 @@ SCENARIOS = (
 )
 
 
+def _two_nodes(config: str) -> bool:
+    """'two-nodes' (every mechanism on) or 'two-nodes:<switch>' (that one off), on two nodes."""
+    return config.partition(":")[0] == "two-nodes"
+
+
 def _outbox_procs(config: str, logdir: Path, concurrency: int) -> list[P.Proc]:
-    off = "" if config in ("all", "two-nodes") else config
+    off = "" if config in ("all", "two-nodes") else config.removeprefix("two-nodes:")
     env = {"OUTBOX_BENCH_OFF": off}
     beat = P.celery("beat", "--loglevel", "WARNING", "-s", str(logdir / f"beat-{config}"))
     beat.env = env
-    if config == "two-nodes":
+    if _two_nodes(config):
         nodes = [
             P.celery(
                 "worker",
@@ -168,7 +173,7 @@ def run_outbox(
     try:
         P.warm_up(P.System(config, "outbox", [], outbox_producer("bench.default")), r, procs)
         for name, command, actors in SCENARIOS:
-            if config == "two-nodes" and name != "default":
+            if _two_nodes(config) and name != "default":
                 continue
             rows = o.rows if name != "batch1" else o.rows // 2
             P.clean_redis(r)
@@ -178,7 +183,7 @@ def run_outbox(
             outbox_producer(command, actors, tx_rows=1000 if actors else rows)(rows)
             t1 = P.wait_count(r, rows, f"{config} {name}", 600, procs, t0=t0)
             fig.rows_per_s[name] = round(rows / (t1 - t0), 1)
-            if config == "two-nodes":
+            if _two_nodes(config):
                 counts = {_text(k): int(v) for k, v in r.hgetall(NODES).items()}
                 total = sum(counts.values()) or 1
                 fig.node_share = {k: round(v / total, 3) for k, v in sorted(counts.items())}
@@ -293,7 +298,7 @@ def table(figures: list[Figures], paces: Sequence[int]) -> str:
         for pace in paces:
             cells.append(ratio(p50(pace), celery_of(p50(pace))))
             cells.append(ratio(p99(pace), celery_of(p99(pace))))
-        if config == "two-nodes":
+        if _two_nodes(config):
             cells.append(ratio(rate("default"), one_node_rate))
             shares = [min(f.node_share.values()) for f in rows if f.node_share]
             cells.append(f"smaller share {_median_range(shares)}")
@@ -308,7 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--configs",
         default=",".join(["all", *SWITCHES, "two-nodes"]),
-        help="'all' (every mechanism on), a switch name (that one off), 'two-nodes'",
+        help="'all' (every mechanism on), a switch name (that one off), 'two-nodes', "
+        "'two-nodes:<switch>' (two nodes with that one off)",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rows", type=int, default=5000)
