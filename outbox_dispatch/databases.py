@@ -21,7 +21,6 @@ from outbox_dispatch.core.logs import mask_dsn
 from outbox_dispatch.store import Store
 from outbox_dispatch.store.adapters import check_database_url, database_target
 from outbox_dispatch.store.maintenance import Maintenance
-from outbox_dispatch.store.pool import Conn
 from outbox_dispatch.worker.delivery import Delivery
 
 DEFAULT = "default"  # the name of the one database given as ``database_url``
@@ -81,12 +80,6 @@ def url_targets(url: str) -> frozenset[Target]:
     return frozenset(t for t in found if t is not None)
 
 
-def connection_target(conn: Conn) -> Target | None:
-    """Where a live psycopg connection is connected, from libpq (no round trip)."""
-    info = conn.info
-    return database_target({"host": info.host, "port": info.port, "dbname": info.dbname})
-
-
 @dataclass
 class Database:
     """One database's outbox and the parts that work on it."""
@@ -105,17 +98,24 @@ class Database:
         return url_targets(self.url)
 
 
-def pick(databases: Mapping[str, Database], conn: Conn, name: str | None = None) -> Database:
-    """The database of the caller's connection. ``name`` says it outright (for a proxy that
-    hides where a connection goes); a connection that is plainly to another of our databases
-    is still refused. With one database nothing is checked: every row goes to it."""
+def pick(
+    databases: Mapping[str, Database], name: str | None = None, where: Target | None = None
+) -> Database:
+    """The database of the caller's connection, which goes to ``where`` (host, port, name).
+    ``name`` says it outright (for a proxy that hides where a connection goes); a connection
+    that is plainly to another of our databases is still refused. With one database nothing
+    is checked: every row goes to it."""
     if name is not None and name not in databases:
         raise UnknownDatabase(
             f"no database {name!r}: this dispatcher has {', '.join(map(repr, databases))}"
         )
     if len(databases) == 1:
         return next(iter(databases.values()))
-    found = _by_connection(databases, conn)
+    # The database exactly where the connection goes (the loopback names count as one host):
+    # a staging server's ``shop`` is not production's, and a row written there would never
+    # be claimed.
+    exact = [d for d in databases.values() if where is not None and where in d.targets]
+    found = exact[0] if len(exact) == 1 else None
     if name is not None:
         if found is not None and found.name != name:
             raise UnknownDatabase(
@@ -124,25 +124,13 @@ def pick(databases: Mapping[str, Database], conn: Conn, name: str | None = None)
             )
         return databases[name]
     if found is None:
-        info = conn.info
-        shown = f"database {info.dbname!r} on {info.host}:{info.port}"
+        shown = f"database {where[2]!r} on {where[0]}:{where[1]}" if where else "a database"
         raise UnknownDatabase(
             f"the connection is to {shown}, which is none of this dispatcher's databases "
             f"({', '.join(map(repr, databases))}): add it to Dispatcher(databases=...), or pass "
             "database= when a proxy hides which one it is"
         )
     return found
-
-
-def _by_connection(databases: Mapping[str, Database], conn: Conn) -> Database | None:
-    """The database exactly where the connection goes (host, port, name; the loopback names
-    count as one host). A database of the same name elsewhere is not taken for it: a staging
-    server's ``shop`` is not production's, and a row written there would never be claimed."""
-    where = connection_target(conn)
-    if where is None:
-        return None
-    exact = [d for d in databases.values() if where in d.targets]
-    return exact[0] if len(exact) == 1 else None
 
 
 def message_args(database: Database, args: tuple[Any, ...]) -> tuple[Any, ...]:

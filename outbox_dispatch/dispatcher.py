@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +17,7 @@ from outbox_dispatch.celery import wiring
 from outbox_dispatch.core import timings
 from outbox_dispatch.core.errors import (
     ConfigurationError,
-    InvalidArgument,
     UnknownDatabase,
-    UnknownFamily,
 )
 from outbox_dispatch.core.handlers import HandlerFn, Registration, Registry
 from outbox_dispatch.core.logs import mask_dsn
@@ -34,16 +32,17 @@ from outbox_dispatch.core.policy import (
     family_is_capped,
     require_whole,
 )
-from outbox_dispatch.core.validation import Message, PreparedRow, check_cancel, prepare
-from outbox_dispatch.databases import Database, pick
+from outbox_dispatch.core.validation import Message, check_cancel
+from outbox_dispatch.databases import Database
 from outbox_dispatch.observe import metrics, tracing
 from outbox_dispatch.operations import Operations
 from outbox_dispatch.runtime import Runtime
 from outbox_dispatch.settings import Settings, retention_seconds, seconds
-from outbox_dispatch.store.adapters import caller_connection
+from outbox_dispatch.store.callers import sync_caller
 from outbox_dispatch.store.migrations import migrate
 from outbox_dispatch.store.pool import Conn
 from outbox_dispatch.worker.drain import DrainReport, drain
+from outbox_dispatch.writing import Writer
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -90,6 +89,7 @@ class Dispatcher:
         beat_every = max(claim_every, timings.SAFETY_INTERVAL) if s.listen else claim_every
         wiring.add_beat_entry(app, beat_every, self.claim_queue)
         self.ops = Operations(self)
+        self.writer = Writer(self)
         wiring.on_configured(app, self._apply_queues)
         if s.listen:
             wiring.install_listener_step(app, self.runtime.commit_listeners)
@@ -270,35 +270,6 @@ class Dispatcher:
 
     # -- enqueue --------------------------------------------------------------------------
 
-    def prepare_row(
-        self,
-        command: str,
-        payload: Any,
-        actor: object,
-        dedupe_key: object,
-        delay: object,
-        at: object,
-        family: str | None = None,
-        *,
-        trace_json: str | None,
-    ) -> PreparedRow:
-        """A validated row; ``trace_json``: the caller's trace context (observe/tracing.py),
-        read once per call by the caller, because reading it per row is costly in a big batch."""
-        fam = self.registry.family_of(command) if family is None else family
-        if fam not in self.families:
-            raise UnknownFamily(f"command {command!r} belongs to undeclared family {fam!r}")
-        row = prepare(
-            family=fam,
-            command=command,
-            payload=payload,
-            actor=actor,
-            dedupe_key=dedupe_key,
-            delay=delay,
-            at=at,
-            payload_limit=self.settings.payload_limit,
-        )
-        return replace(row, trace_json=trace_json) if trace_json else row
-
     def enqueue(
         self,
         conn: TxConn,
@@ -311,63 +282,54 @@ class Dispatcher:
         at: datetime | None = None,
         database: str | None = None,
     ) -> int:
-        """Write one outbox row on the caller's connection, inside the caller's transaction.
+        """Write one outbox row on the caller's connection, inside the caller's transaction:
+        psycopg 3 or psycopg2, raw, Django's connection or a SQLAlchemy Session or Connection.
 
         Everything is validated before the row is written. With a dedupe key that already has a
         row, nothing is written and that row's id is returned. With several databases the row
         goes to the database of ``conn`` (``database=`` names it when a proxy hides it), and a
         connection to none of them is refused.
         """
-        trace_json = tracing.current_context_json()
-        row = self.prepare_row(
-            command, payload, actor, dedupe_key, delay, at, trace_json=trace_json
-        )
-        raw = caller_connection(conn)
-        return self.insert_row(self.database_for(conn, raw, database), raw, row)
+        trace = tracing.current_context_json()
+        row = self.writer.row(command, payload, actor, dedupe_key, delay, at, trace_json=trace)
+        return self.writer.write(conn, row, database)
 
-    def database_of(self, conn: TxConn, name: str | None = None) -> Database:
-        """The database the caller's connection writes to (``enqueue`` writes there); refused
-        with UnknownDatabase when it is none of ours."""
-        return self.database_for(conn, caller_connection(conn), name)
-
-    def database_for(self, conn: object, raw: Conn, name: str | None) -> Database:
-        """The database a caller's connection writes to; a Django connection whose alias is
-        one of our database names is that database."""
-        alias = getattr(conn, "alias", None) if name is None else None
-        if isinstance(alias, str) and alias in self.databases and self.several:
-            name = alias
-        return pick(self.databases, raw, name)
-
-    def insert_row(self, db: Database, conn: Conn, row: PreparedRow) -> int:
-        fam = self.families[row.family]
-        if fam.ordered and row.actor is not None:
-            return db.store.insert_ordered(conn, row, parked_blocks=fam.parked_blocks)
-        return db.store.insert(conn, row)
+    async def aenqueue(
+        self,
+        conn: Any,
+        command: str,
+        payload: Any = None,
+        *,
+        actor: str | None = None,
+        dedupe_key: str | None = None,
+        delay: timedelta | None = None,
+        at: datetime | None = None,
+        database: str | None = None,
+    ) -> int:
+        """``enqueue`` on an async connection, awaited on it in the caller's transaction:
+        psycopg 3's AsyncConnection, asyncpg's, or SQLAlchemy's AsyncSession or
+        AsyncConnection (on psycopg or asyncpg)."""
+        trace = tracing.current_context_json()
+        row = self.writer.row(command, payload, actor, dedupe_key, delay, at, trace_json=trace)
+        return await self.writer.awrite(conn, row, database)
 
     def enqueue_many(
         self, conn: TxConn, messages: Iterable[Message], *, database: str | None = None
     ) -> list[int]:
-        """Write a batch in one round trip; ids come back in input order. All or nothing is
-        validated before anything is written. The database is chosen as for ``enqueue``."""
-        rows = []
-        trace_json = tracing.current_context_json()  # one context for the whole batch
-        for m in messages:
-            if not isinstance(m, Message):
-                raise InvalidArgument(f"enqueue_many takes Message objects, got {type(m).__name__}")
-            rows.append(
-                self.prepare_row(
-                    m.command,
-                    m.payload,
-                    m.actor,
-                    m.dedupe_key,
-                    m.delay,
-                    m.at,
-                    trace_json=trace_json,
-                )
-            )
-        raw = caller_connection(conn)
-        db = self.database_for(conn, raw, database)
-        return db.store.insert_many(raw, rows, self.ordered_families())
+        """Write a batch, ids in input order, on the caller's connection as ``enqueue`` does.
+        All of it is validated before anything is written."""
+        return self.writer.write_many(conn, self.writer.rows(messages), database)
+
+    async def aenqueue_many(
+        self, conn: Any, messages: Iterable[Message], *, database: str | None = None
+    ) -> list[int]:
+        """``enqueue_many`` on an async connection, as ``aenqueue``."""
+        return await self.writer.awrite_many(conn, self.writer.rows(messages), database)
+
+    def database_of(self, conn: TxConn, name: str | None = None) -> Database:
+        """The database the caller's connection writes to (``enqueue`` writes there); refused
+        with UnknownDatabase when it is none of ours."""
+        return self.writer.database(sync_caller(conn), name)
 
     def cancel(
         self,
@@ -386,22 +348,48 @@ class Dispatcher:
 
         Rows nobody is delivering are settled as cancelled at once; a running row's handler
         sees ``ctx.is_cancelled`` within one heartbeat (a third of the family's
-        heartbeat_timeout), and its settle records the
-        cancel. Cancelled rows keep who, when and why until their family's retention prunes
-        them. Parked rows are not cancelled: purge them.
+        heartbeat_timeout), and its settle records the cancel. Cancelled rows keep who, when
+        and why until their family's retention prunes them. Parked rows are not cancelled:
+        purge them.
         """
         check_cancel(row_id, dedupe_key, actor, command, reason, by)
-        ordered = self.ordered_families()
-        raw = caller_connection(conn)
-        now, requested = self.database_for(conn, raw, database).store.cancel(
-            raw,
-            ids=None if row_id is None else [row_id],
+        ids = None if row_id is None else [row_id]
+        now, requested = self.writer.cancel(
+            conn,
+            database,
+            ids=ids,
             dedupe_key=dedupe_key,
             actor=actor,
             command=command,
             reason=reason,
             by=by,
-            ordered=ordered,
+        )
+        return CancelResult(now, requested)
+
+    async def acancel(
+        self,
+        conn: Any,
+        row_id: int | None = None,
+        *,
+        dedupe_key: str | None = None,
+        actor: str | None = None,
+        command: str | None = None,
+        reason: str | None = None,
+        by: str | None = None,
+        database: str | None = None,
+    ) -> CancelResult:
+        """``cancel`` on an async connection, as ``aenqueue``."""
+        check_cancel(row_id, dedupe_key, actor, command, reason, by)
+        ids = None if row_id is None else [row_id]
+        now, requested = await self.writer.acancel(
+            conn,
+            database,
+            ids=ids,
+            dedupe_key=dedupe_key,
+            actor=actor,
+            command=command,
+            reason=reason,
+            by=by,
         )
         return CancelResult(now, requested)
 

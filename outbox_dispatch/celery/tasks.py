@@ -37,13 +37,13 @@ from outbox_dispatch.core.errors import (
 )
 from outbox_dispatch.core.logs import event
 from outbox_dispatch.observe import tracing
-from outbox_dispatch.store.adapters import caller_connection
-from outbox_dispatch.store.pool import Conn
+from outbox_dispatch.store.callers import Steps, sync_caller
 
 if TYPE_CHECKING:
     from outbox_dispatch.core.handlers import Context
+    from outbox_dispatch.core.validation import PreparedRow
+    from outbox_dispatch.databases import Database
     from outbox_dispatch.dispatcher import Dispatcher
-    from outbox_dispatch.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _transaction(dispatcher: Dispatcher) -> object | None:
     is in autocommit: nothing to join), else Django's on the outbox's database."""
     conn = bound()
     if conn is not None:
-        return None if caller_connection(conn).autocommit else conn
+        return conn if sync_caller(conn).joinable() else None
     return django_transaction([db.url for db in dispatcher.databases.values()])
 
 
@@ -379,42 +379,36 @@ def write_call(
     """The row of a task call on the caller's connection; with ``conn=None``, in a transaction
     of its own, committed before this returns (``task_outside="commit"``)."""
     d = dispatcher
-    row = d.prepare_row(
-        task,
-        call.payload,
-        call.actor,
-        call.dedupe_key,
-        call.delay,
-        call.at,
-        family,
-        trace_json=tracing.current_context_json(),
-    )
+    trace = tracing.current_context_json()
+    fields = (task, call.payload, call.actor, call.dedupe_key, call.delay, call.at, family)
+    row = d.writer.row(*fields, trace_json=trace)
     due_now = call.delay is None and call.at is None
     if conn is not None:
-        raw = caller_connection(conn)
-        db = d.database_for(conn, raw, database)
-        row_id = d.insert_row(db, raw, row)
-        _same_command(db.store, raw, row_id, task, call)
+        caller = sync_caller(conn)
+        db = d.writer.database(caller, database)
+        row_id = caller.drive(_call_steps(d, db, row, task, call), "enqueue")
         if due_now and type(conn).__module__.startswith("django."):
             wake_on_commit(conn, d, [family])  # only when nobody listens
         return row_id
     first = d.database()  # outside any transaction: the first database's outbox
     with first.store.connection() as own:
-        row_id = d.insert_row(first, own, row)
-        _same_command(first.store, own, row_id, task, call)
+        row_id = sync_caller(own).drive(_call_steps(d, first, row, task, call), "enqueue")
     if not d.settings.listen and due_now:
         d.runtime.request_claim(family)  # committed: the NOTIFY wakes only a listener
     return row_id
 
 
-def _same_command(store: Store, conn: Conn, row_id: int, task: str, call: TaskCall) -> None:
-    """A dedupe key already held by another command's row would hand this call that row:
-    refused, so that one task's call is never silently taken for another's."""
-    if call.dedupe_key is None:
-        return
-    holder = store.command_of(conn, row_id)
-    if holder is not None and holder != task:
-        raise InvalidArgument(
-            f"{task}: dedupe key {call.dedupe_key!r} is held by row {row_id} of "
-            f"{holder!r}; give each task's calls keys of their own"
-        )
+def _call_steps(
+    d: Dispatcher, db: Database, row: PreparedRow, task: str, call: TaskCall
+) -> Steps[int]:
+    """The row, and a refusal when its dedupe key is held by another command's row: that row
+    would be handed to this call, and one task's call must never be taken for another's."""
+    row_id = yield from d.writer.insert(db, row)
+    if call.dedupe_key is not None:
+        holder = yield from db.store.command_of(row_id)
+        if holder is not None and holder != task:
+            raise InvalidArgument(
+                f"{task}: dedupe key {call.dedupe_key!r} is held by row {row_id} of "
+                f"{holder!r}; give each task's calls keys of their own"
+            )
+    return row_id

@@ -13,7 +13,8 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from outbox_dispatch.core.errors import OutsideTransaction
-from outbox_dispatch.store.adapters import caller_connection, database_target, django_target
+from outbox_dispatch.store.adapters import database_target, django_target
+from outbox_dispatch.store.callers import sync_caller
 
 if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher
@@ -29,7 +30,7 @@ def using(conn: object, *, database: str | None = None) -> Iterator[None]:
     ``conn``, so they commit or roll back with the caller's transaction: a psycopg 3
     connection, a SQLAlchemy Session or Connection, or a Django connection. ``database``
     names which of the dispatcher's databases ``conn`` is, when a proxy hides it."""
-    caller_connection(conn)  # refuse what cannot carry a row now, not at the first call
+    sync_caller(conn)  # refuse what cannot carry a row now, not at the first call
     token = _bound.set((conn, database))
     try:
         yield

@@ -1,16 +1,14 @@
-"""The caller's connection, whatever holds it: the outbox row must be written on the
-connection of the caller's own transaction, so that it commits (or rolls back) with the
-business change. psycopg 3 connections are taken as they are; Django's connection and
-SQLAlchemy sessions and connections are unwrapped to the psycopg connection inside."""
+"""Where a database URL or a Django DATABASES entry points (host, port, database), so that
+the database of a caller's connection can be told apart from the others; and URLs checked
+before a pool's background thread would quote them, password included."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from outbox_dispatch.core.errors import ConfigurationError, InvalidArgument
+from outbox_dispatch.core.errors import ConfigurationError
 from outbox_dispatch.core.logs import mask_dsn
-from outbox_dispatch.store.pool import Conn
 
 
 def check_database_url(url: str) -> None:
@@ -58,64 +56,4 @@ def django_target(settings_dict: Mapping[str, Any]) -> tuple[str, str, str] | No
             "dbname": settings_dict.get("NAME"),
             "service": options.get("service"),
         }
-    )
-
-
-def caller_connection(conn: object) -> Conn:
-    """The psycopg connection of the caller's transaction: given directly, or inside a
-    SQLAlchemy Session or Connection (on the psycopg 3 driver, ``postgresql+psycopg://``)."""
-    import psycopg
-
-    if isinstance(conn, psycopg.Connection):
-        return conn
-    module = type(conn).__module__
-    if module.startswith("sqlalchemy"):
-        return _from_sqlalchemy(conn)
-    if module.startswith("django.") or (
-        hasattr(conn, "vendor") and hasattr(conn, "ensure_connection")  # a custom backend
-    ):
-        return _from_django(conn)
-    raise InvalidArgument(
-        f"enqueue needs the connection of your transaction (a psycopg 3 Connection, a "
-        f"SQLAlchemy Session or Connection, or Django's connection), got {type(conn).__name__}: "
-        "the row must commit with your business change"
-    )
-
-
-def _from_django(conn: Any) -> Conn:
-    """Django's ``connection`` (or ``connections[alias]``) on the psycopg 3 backend."""
-    import psycopg
-
-    if getattr(conn, "vendor", None) != "postgresql":
-        raise InvalidArgument(
-            f"Django database {getattr(conn, 'alias', '?')!r} is {getattr(conn, 'vendor', '?')}: "
-            "the outbox lives in PostgreSQL"
-        )
-    conn.ensure_connection()
-    raw = conn.connection
-    if not isinstance(raw, psycopg.Connection):
-        raise InvalidArgument(
-            f"Django uses {type(raw).__module__} for database {conn.alias!r}: outbox_dispatch "
-            "needs psycopg 3 (pip install 'psycopg[binary]'; Django >= 4.2 picks it up)"
-        )
-    return raw
-
-
-def _from_sqlalchemy(conn: Any) -> Conn:
-    import psycopg
-    from sqlalchemy.engine import Connection
-    from sqlalchemy.orm import Session
-
-    if isinstance(conn, Session):
-        conn = conn.connection()  # begins the session's transaction if it has none
-    if isinstance(conn, Connection):
-        raw = conn.connection.driver_connection
-        if isinstance(raw, psycopg.Connection):
-            return raw
-        raise InvalidArgument(
-            f"SQLAlchemy uses the {conn.dialect.driver!r} driver: outbox_dispatch needs psycopg 3 "
-            "(a postgresql+psycopg:// URL)"
-        )
-    raise InvalidArgument(
-        f"enqueue cannot use a {type(conn).__name__}: pass a Session or Connection"
     )

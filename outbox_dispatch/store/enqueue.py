@@ -3,52 +3,44 @@ the NOTIFY that asks the commit listener for a claim."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from outbox_dispatch.core.errors import DatabaseError, IsolationNotSupported
 from outbox_dispatch.core.validation import PreparedRow
+from outbox_dispatch.store.callers import All, Each, Exec, One, Steps
 from outbox_dispatch.store.connections import StoreBase, translated
 from outbox_dispatch.store.ordered import actor_lock
-from outbox_dispatch.store.pool import Conn
 
 
 class EnqueueQueries(StoreBase):
-    """Inserts, cancels and claim requests (sql/enqueue.sql, sql/cancel.sql)."""
+    """Inserts, cancels and claim requests (sql/enqueue.sql, sql/cancel.sql). What runs on
+    the caller's connection is a generator of steps (store/callers.py), so that one text
+    serves every driver, sync or async."""
 
-    def insert(self, conn: Conn, row: PreparedRow) -> int:
-        params = _insert_params(row, self.channel)
-        with translated("enqueue"):
-            found = conn.execute(self.q["enqueue_insert"], params).fetchone()
-            if found is not None:
-                return int(found[0])
-            again = conn.execute(self.q["enqueue_find_dedupe"], params).fetchone()
-        if again is None:  # the holder of the key was deleted between the two statements
-            raise DatabaseError("enqueue raced with the deletion of its dedupe key's row: retry")
-        return int(again[0])
-
-    def insert_ordered(self, conn: Conn, row: PreparedRow, *, parked_blocks: bool) -> int:
-        """Enqueue into an ordered family: the actor lock is held until the caller commits, so
-        concurrent producers of one actor get ids in commit order."""
+    def insert(self, row: PreparedRow, *, ordered: bool, parked_blocks: bool) -> Steps[int]:
+        """One row; in an ordered family its actor's lock is taken first and held until the
+        caller commits, so concurrent producers of one actor get ids in commit order."""
         params = {**_insert_params(row, self.channel), "parked_blocks": parked_blocks}
-        with translated("enqueue"), _in_callers_transaction(conn):
-            self._lock_actors_of_caller(
-                conn, [actor_lock(self.schema, row.family, row.actor or "")], "enqueue"
+        sql = self.q["enqueue_insert"]
+        if ordered and row.actor is not None:
+            yield from self._lock_actors(
+                [actor_lock(self.schema, row.family, row.actor)], "enqueue"
             )
-            found = conn.execute(self.q["enqueue_insert_ordered"], params).fetchone()
-            if found is None:
-                found = conn.execute(self.q["enqueue_find_dedupe"], params).fetchone()
+            sql = self.q["enqueue_insert_ordered"]
+        found = yield One(sql, params)
         if found is None:
+            found = yield One(self.q["enqueue_find_dedupe"], params)
+        if found is None:  # the holder of the key was deleted between the two statements
             raise DatabaseError("enqueue raced with the deletion of its dedupe key's row: retry")
         return int(found[0])
 
     def insert_many(
-        self, conn: Conn, rows: Sequence[PreparedRow], ordered: Mapping[str, bool]
-    ) -> list[int]:
-        """Pipelined inserts; dedupe hits are resolved after. ``ordered`` maps each ordered
-        family to whether parked rows block; their actors are locked first, in sorted order, so
-        two producers never deadlock on each other's actors."""
+        self, rows: Sequence[PreparedRow], ordered: Mapping[str, bool]
+    ) -> Steps[list[int]]:
+        """Every row, ids in input order; dedupe hits are resolved after. ``ordered`` maps
+        each ordered family to whether parked rows block; their actors are locked first, in
+        sorted order, so two producers never deadlock on each other's actors."""
         if not rows:
             return []
         params = [
@@ -58,40 +50,33 @@ class EnqueueQueries(StoreBase):
         in_line = [i for i, r in enumerate(rows) if r.family in ordered and r.actor is not None]
         lined = set(in_line)
         plain = [i for i in range(len(rows)) if i not in lined]
+        locks = sorted(
+            {actor_lock(self.schema, rows[i].family, rows[i].actor or "") for i in in_line}
+        )
+        yield from self._lock_actors(locks, "enqueue_many")
         ids: list[int | None] = [None] * len(rows)
-        scope = _in_callers_transaction(conn) if in_line else contextlib.nullcontext()
-        with translated("enqueue_many"), scope, conn.cursor() as cur:
-            locks = sorted(
-                {actor_lock(self.schema, rows[i].family, rows[i].actor or "") for i in in_line}
-            )
-            self._lock_actors_of_caller(conn, locks, "enqueue_many")
-            for query, group in (
-                (self.q["enqueue_insert"], plain),
-                (self.q["enqueue_insert_ordered"], in_line),
-            ):
-                if not group:
-                    continue
-                cur.executemany(query, [params[i] for i in group], returning=True)
-                for i in group:
-                    got = cur.fetchone()
+        for sql, group in (
+            (self.q["enqueue_insert"], plain),
+            (self.q["enqueue_insert_ordered"], in_line),
+        ):
+            if group:
+                found = yield Each(sql, [params[i] for i in group])
+                for i, got in zip(group, found, strict=True):
                     ids[i] = int(got[0]) if got is not None else None
-                    cur.nextset()
-            for i, value in enumerate(ids):
-                if value is None:
-                    found = conn.execute(self.q["enqueue_find_dedupe"], params[i]).fetchone()
-                    if found is None:
-                        raise DatabaseError(
-                            "enqueue_many raced with a dedupe row's deletion: retry"
-                        )
-                    ids[i] = int(found[0])
+        for i, value in enumerate(ids):
+            if value is None:
+                again = yield One(self.q["enqueue_find_dedupe"], params[i])
+                if again is None:
+                    raise DatabaseError("enqueue_many raced with a dedupe row's deletion: retry")
+                ids[i] = int(again[0])
         return [int(i) for i in ids if i is not None]
 
-    def _lock_actors_of_caller(self, conn: Conn, locks: Sequence[str], action: str) -> None:
+    def _lock_actors(self, locks: Sequence[str], action: str) -> Steps[None]:
         """Take ordered actors' locks on the caller's transaction, which must be READ COMMITTED
         (its statements then see every commit made before the lock was granted). Any other
         level is refused before anything is written, and the transaction stays usable."""
         for name in locks:
-            row = conn.execute(self.q["ordered_lock_actor_checked"], {"lock_name": name}).fetchone()
+            row = yield One(self.q["ordered_lock_actor_checked"], {"lock_name": name})
             isolation = str(row[0]) if row else "unknown"
             if isolation != "read committed":
                 raise IsolationNotSupported(
@@ -101,15 +86,13 @@ class EnqueueQueries(StoreBase):
                     "READ COMMITTED for this transaction (nothing was written)"
                 )
 
-    def command_of(self, conn: Conn, row_id: int) -> str | None:
+    def command_of(self, row_id: int) -> Steps[str | None]:
         """The command of a row, on the caller's connection (its transaction sees the row)."""
-        with translated("enqueue"):
-            row = conn.execute(self.q["status_row_command"], {"id": row_id}).fetchone()
+        row = yield One(self.q["status_row_command"], {"id": row_id})
         return None if row is None else str(row[0])
 
     def cancel(
         self,
-        conn: Conn,
         *,
         ids: list[int] | None,
         dedupe_key: str | None,
@@ -118,27 +101,22 @@ class EnqueueQueries(StoreBase):
         reason: str | None,
         by: str | None,
         ordered: Mapping[str, bool],
-    ) -> tuple[list[int], list[int]]:
+    ) -> Steps[tuple[list[int], list[int]]]:
         """Cancel on the caller's connection: (cancelled now, cancel requested of the holder)."""
         sel = {"ids": ids, "dedupe_key": dedupe_key, "actor": actor, "command": command}
-        with translated("cancel"):
-            matched = conn.execute(self.q["cancel_match"], sel).fetchall()
-            if not matched:
-                return [], []
-            all_ids = [int(r[0]) for r in matched]
-            in_line = sorted({(r[1], r[2]) for r in matched if r[1] in ordered and r[2]})
-            self._lock_actors_of_caller(
-                conn, [actor_lock(self.schema, fam, act) for fam, act in in_line], "cancel"
+        matched = yield All(self.q["cancel_match"], sel)
+        if not matched:
+            return [], []
+        all_ids = [int(r[0]) for r in matched]
+        in_line = sorted({(r[1], r[2]) for r in matched if r[1] in ordered and r[2]})
+        yield from self._lock_actors([actor_lock(self.schema, f, a) for f, a in in_line], "cancel")
+        yield Exec(self.q["cancel_request"], {"ids": all_ids, "reason": reason, "by": by})
+        done = yield All(self.q["cancel_now"], {"ids": all_ids, "reason": reason, "by": by})
+        for fam, act in in_line:
+            yield All(
+                self.q["ordered_promote"],
+                {"family": fam, "actors": [act], "parked_blocks": ordered[fam]},
             )
-            conn.execute(self.q["cancel_request"], {"ids": all_ids, "reason": reason, "by": by})
-            done = conn.execute(
-                self.q["cancel_now"], {"ids": all_ids, "reason": reason, "by": by}
-            ).fetchall()
-            for fam, act in in_line:
-                conn.execute(
-                    self.q["ordered_promote"],
-                    {"family": fam, "actors": [act], "parked_blocks": ordered[fam]},
-                )
         now = sorted(int(r[0]) for r in done)
         return now, sorted(set(all_ids) - set(now))
 
@@ -161,11 +139,3 @@ def _insert_params(row: PreparedRow, channel: str) -> dict[str, Any]:
         "at": row.at,
         "trace": row.trace_json,
     }
-
-
-def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any]:
-    """Statements that belong together, in the caller's transaction. psycopg's transaction() on
-    an idle connection that is not in autocommit opens and commits a transaction of its own, so
-    the row would commit without the caller's change (and survive its rollback): there the
-    implicit transaction the statements open is the caller's, and is scope enough."""
-    return conn.transaction() if conn.autocommit else contextlib.nullcontext()

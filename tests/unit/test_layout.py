@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("claim",),
     ("worker",),
     ("celery",),
-    ("databases", "runtime", "settings", "operations"),
+    ("databases", "runtime", "settings", "operations", "writing"),
     ("", "dispatcher"),  # "" is the package's __init__
     ("demo",),
     ("ops",),
