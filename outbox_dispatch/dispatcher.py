@@ -14,6 +14,7 @@ from celery import Celery
 
 from outbox_dispatch.caps.semaphore import Caps
 from outbox_dispatch.celery import wiring
+from outbox_dispatch.celery.transactions import watch_sqlalchemy
 from outbox_dispatch.core import timings
 from outbox_dispatch.core.errors import (
     ConfigurationError,
@@ -69,6 +70,12 @@ class Dispatcher:
         if settings is not None and options:
             raise ConfigurationError("pass Settings or keyword settings to Dispatcher(), not both")
         self.settings = s = settings if settings is not None else Settings.of(options)
+        if getattr(app, "outbox_dispatcher", None) is not None:
+            # Celery would hand back the first one's tasks: this one's rows would never run
+            raise ConfigurationError(
+                f"Celery app {app.main!r} already has a Dispatcher: build one per app (one "
+                "Dispatcher serves several databases with databases={name: url})"
+            )
         self.app = app
         self.schema = s.schema
         self.families: dict[str, Family] = builtin_families()
@@ -97,6 +104,7 @@ class Dispatcher:
         for db in self.databases.values():
             wiring.on_worker_exit(db.delivery.deferred.flush)
         wiring.on_pool_process_start(self.runtime.warm_up)
+        watch_sqlalchemy()  # task calls in a SQLAlchemy transaction join it, as in Django's
 
     # -- databases -------------------------------------------------------------------------
 

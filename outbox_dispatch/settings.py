@@ -39,7 +39,7 @@ class Settings:
     listen: bool = True
     consumers: int | None = None
     task_family: str = "job"
-    task_outside: str = "commit"
+    task_outside: str | None = None  # None: "commit", with a warning once per call site
     flushed_starts: bool = False
     # name -> URL of every database, the first one being the default
     urls: dict[str, str] = field(init=False, repr=False, compare=False)
@@ -60,9 +60,9 @@ class Settings:
                 raise ConfigurationError(
                     f"{name} must be True or False, got {getattr(self, name)!r}"
                 )
-        if self.task_outside not in OUTSIDE:
+        if self.task_outside is not None and self.task_outside not in OUTSIDE:
             raise ConfigurationError(
-                f"task_outside must be one of {list(OUTSIDE)}, got {self.task_outside!r}"
+                f"task_outside must be None or one of {list(OUTSIDE)}, got {self.task_outside!r}"
             )
 
     @classmethod

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from celery import Task
+from celery import Task, current_task
 from celery.exceptions import Ignore, Reject, Retry
 
 from outbox_dispatch.celery.task_options import TaskCall, decode_call, plan_call, retry_delay
@@ -24,7 +24,9 @@ from outbox_dispatch.celery.transactions import (
     bound,
     bound_database,
     django_transaction,
+    sqlalchemy_transaction,
     wake_on_commit,
+    warn_outside,
 )
 from outbox_dispatch.core.errors import (
     ConfigurationError,
@@ -62,8 +64,9 @@ class OutboxTask(Task):  # type: ignore[misc]
     ``outbox = False`` opts a task out: plain Celery. ``outbox_family`` names its family
     (else the call's ``queue=``, the task's queue or route, else the dispatcher's
     ``task_family``). ``outbox_outside``: a call outside any transaction ``"commit"``\\s its
-    row on its own (the default, as a plain call published at once), ``"raise"``\\s
-    OutsideTransaction, or goes through plain ``"celery"``.
+    row on its own (as a plain call is published at once), ``"raise"``\\s OutsideTransaction,
+    or goes through plain ``"celery"``; unset (and the Dispatcher's ``task_outside`` unset),
+    it commits on its own and logs a warning once per call site.
     """
 
     outbox: bool = True
@@ -103,6 +106,8 @@ class OutboxTask(Task):  # type: ignore[misc]
             raise
         if conn is None and outside == CELERY:
             return plain()
+        if conn is None and outside is None and not _from_beat(options) and not current_task:
+            warn_outside(self.name)  # then committed on its own, as "commit" does
         if conn is None and outside == RAISE and not _from_beat(options):  # beat has none
             raise OutsideTransaction(
                 f"{self.name} was called outside a transaction, and its outbox_outside is "
@@ -162,11 +167,18 @@ class OutboxTask(Task):  # type: ignore[misc]
 
 def _transaction(dispatcher: Dispatcher) -> object | None:
     """The open transaction a call joins: the connection bound by ``using()`` (None when it
-    is in autocommit: nothing to join), else Django's on the outbox's database."""
+    is in no transaction: nothing to join), else Django's on the outbox's database, else
+    SQLAlchemy's (watch_sqlalchemy)."""
     conn = bound()
     if conn is not None:
         return conn if sync_caller(conn).joinable() else None
-    return django_transaction([db.url for db in dispatcher.databases.values()])
+    django: object | None = django_transaction([db.url for db in dispatcher.databases.values()])
+    if django is not None:
+        return django
+    found: object | None = sqlalchemy_transaction(
+        [d.targets for d in dispatcher.databases.values()]
+    )
+    return found
 
 
 def _from_beat(options: dict[str, Any]) -> bool:

@@ -6,6 +6,9 @@ else Django's connection to the outbox's database while it is in a transaction
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -13,15 +16,22 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from outbox_dispatch.core.errors import OutsideTransaction
+from outbox_dispatch.core.logs import event
 from outbox_dispatch.store.adapters import database_target, django_target
-from outbox_dispatch.store.callers import sync_caller
+from outbox_dispatch.store.callers import Target, sync_caller
 
 if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher
 
+log = logging.getLogger(__name__)
+
 _bound: ContextVar[tuple[object, str | None] | None] = ContextVar(
     "outbox_dispatch_using", default=None
 )
+# SQLAlchemy connections of this context in a transaction, innermost last (watch_sqlalchemy)
+_sqlalchemy: ContextVar[tuple[Any, ...]] = ContextVar("outbox_dispatch_sqlalchemy", default=())
+_watching: list[bool] = []
+_warned: set[tuple[str, int]] = set()
 
 
 @contextmanager
@@ -94,6 +104,79 @@ def django_transaction(database_urls: Sequence[str]) -> Any | None:
             "outside that block"
         )
     return None
+
+
+def watch_sqlalchemy() -> None:
+    """Follow SQLAlchemy's transactions (every Engine's begin, commit and rollback), so that a
+    task call inside a Session's or Connection's transaction joins it without ``using``, as
+    one inside Django's ``atomic()`` does. Nothing to do when SQLAlchemy is not installed."""
+    if _watching or importlib.util.find_spec("sqlalchemy") is None:
+        return
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    event.listen(Engine, "begin", _began)
+    event.listen(Engine, "commit", _ended)
+    event.listen(Engine, "rollback", _ended)
+    _watching.append(True)
+
+
+def _began(conn: Any) -> None:
+    _sqlalchemy.set((*_sqlalchemy.get(), conn))
+
+
+def _ended(conn: Any) -> None:
+    _sqlalchemy.set(tuple(c for c in _sqlalchemy.get() if c is not conn))
+
+
+def sqlalchemy_transaction(targets: Sequence[frozenset[Target]]) -> Any | None:
+    """The SQLAlchemy connection of this context in a transaction on one of the outbox's
+    databases (``targets``: where each of them is), else None; two of them are ambiguous."""
+    ours = []
+    for conn in _sqlalchemy.get():
+        if conn.closed or not conn.in_transaction():
+            continue  # ended without an event we saw (a connection invalidated, a pool reset)
+        url = conn.engine.url
+        where = database_target({"host": url.host, "port": url.port, "dbname": url.database})
+        if where is None or any(where in t for t in targets):
+            ours.append(conn)
+    if len(ours) > 1:
+        raise OutsideTransaction(
+            "this task call is inside several SQLAlchemy transactions on the outbox's "
+            "database: say which one carries it with `with outbox_dispatch.using(session):`"
+        )
+    return ours[0] if ours else None
+
+
+def warn_outside(task: str) -> None:
+    """Say once per call site that a task call committed its row on its own, apart from any
+    transaction: the dual write the outbox exists to remove, unless that is what was meant.
+    (Calls made by a running task, as chains and follow-ups are, are not warned about.)"""
+    site = _call_site()
+    if site in _warned:
+        return
+    _warned.add(site)
+    event(
+        log,
+        logging.WARNING,
+        "task_outside_transaction",
+        f"{task} was called at {site[0]}:{site[1]} outside any transaction the outbox can see, "
+        "so its row committed on its own: wrap the call and your change in one transaction "
+        "(`with outbox_dispatch.using(conn):`, Django's `transaction.atomic()`, a SQLAlchemy "
+        "Session's transaction), or set task_outside='commit' (or the task's outbox_outside) "
+        "if committing on its own is what you want",
+    )
+
+
+def _call_site() -> tuple[str, int]:
+    """The first frame outside Celery, kombu and this package: the line that called the task."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not any(f"{os.sep}{p}{os.sep}" in name for p in ("celery", "kombu", "outbox_dispatch")):
+            return name, frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?", 0
 
 
 def same_database(settings_dict: dict[str, Any], database_url: str) -> bool | None:

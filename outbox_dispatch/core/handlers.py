@@ -12,6 +12,32 @@ from outbox_dispatch.core.errors import DuplicateRegistration, UnknownCommand, U
 HandlerFn = Callable[["Context", Any], Any]
 
 
+class Flag:
+    """A yes-or-no answer that reads both ways a handler may write it: ``if ctx.is_cancelled:``
+    and ``if ctx.is_cancelled():`` mean the same (a bool property called would raise
+    ``TypeError`` on every attempt)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: bool) -> None:
+        self._value = value
+
+    def __bool__(self) -> bool:
+        return self._value
+
+    def __call__(self) -> bool:
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        return self._value == other
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return repr(self._value)
+
+
 @dataclass
 class Context:
     """What a handler knows about the attempt it runs.
@@ -36,11 +62,12 @@ class Context:
     _beat: Callable[[Any], bool] | None = field(default=None, repr=False)
 
     @property
-    def is_cancelled(self) -> bool:
+    def is_cancelled(self) -> Flag:
         """True when the handler should stop and return soon: the row was cancelled, its
         family's time_limit passed, its cap slot lapsed, or its claim was lost. Only after a
-        cancel does a return settle the row (as cancelled); after the others it is retried."""
-        return self.cancelled.is_set()
+        cancel does a return settle the row (as cancelled); after the others it is retried.
+        Read it as a bool or call it: ``ctx.is_cancelled`` and ``ctx.is_cancelled()`` agree."""
+        return Flag(self.cancelled.is_set())
 
     def heartbeat(self, progress: Any = None) -> bool:
         """Extend this attempt's lease now and record ``progress`` (JSON) on the row; False

@@ -313,9 +313,9 @@ def recorded(
                 work(ctx, payload, act)
         except BaseException as exc:
             error = type(exc).__name__
-            recorder.end(run_id, time.time(), False, ctx.is_cancelled, error=error)
+            recorder.end(run_id, time.time(), False, bool(ctx.is_cancelled), error=error)
             raise
-        recorder.end(run_id, time.time(), not gave_up, ctx.is_cancelled, gave_up=gave_up)
+        recorder.end(run_id, time.time(), not gave_up, bool(ctx.is_cancelled), gave_up=gave_up)
 
     return handler
 

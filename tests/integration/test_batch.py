@@ -263,7 +263,7 @@ def test_each_row_of_a_batch_gets_its_own_time_limit(
         if payload.get("long"):
             time.sleep(1.5)
         else:
-            told.append(ctx.is_cancelled)
+            told.append(bool(ctx.is_cancelled))
             time.sleep(0.4)
 
     name = commands(family="slowbatch", fn=slow)
