@@ -1,18 +1,16 @@
 """What an operator does (``dispatcher.ops``): each family's status, parked rows listed,
-retried or purged, retention's prune, and cron schedules. The CLI, the Django admin and the
-web page call these, so every one of them keeps ordered lines intact the same way and explains
-a row that matched nothing in the same words."""
+retried or purged, pause and resume, retention's prune, cron schedules, and the audit log of
+those actions. The CLI, the Django admin and the page act through ops/actions.py on top."""
 
 from __future__ import annotations
 
+import getpass
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
-
-import psycopg
 
 from outbox_dispatch.celery import wiring
 from outbox_dispatch.core.bounds import (
@@ -32,127 +30,13 @@ from outbox_dispatch.core.errors import (
 )
 from outbox_dispatch.core.logs import about_database, event
 from outbox_dispatch.core.rows import FamilyStatus
-from outbox_dispatch.core.validation import encode_payload, row_ids
+from outbox_dispatch.core.validation import checked_row_id, encode_payload, row_ids
 from outbox_dispatch.databases import Database
 
 if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Done:
-    """Rows an operation applied to (``ids``), running rows asked to stop (cancel only), and
-    why each named row that matched nothing did not."""
-
-    ids: list[int]
-    reasons: list[str] = field(default_factory=list)
-    requested: list[int] = field(default_factory=list)
-
-    @property
-    def missed(self) -> bool:
-        return bool(self.reasons)
-
-
-def why_not(dispatcher: Dispatcher, row_id: int, action: str, database: str | None = None) -> str:
-    """Why ``action`` (retry, purge, cancel) matched nothing for a row (of ``database``, the
-    first by default), in the operator's terms."""
-    state = dispatcher.database(database).store.row_state(row_id)
-    if state is None:
-        return f"row {row_id} does not exist (delivered rows are deleted unless kept by retention)"
-    if state == "parked":
-        if action == "cancel":
-            return f"row {row_id} is parked: parked rows are purged, not cancelled"
-        return f"row {row_id} is parked"
-    if state == "cancelled":
-        return f"row {row_id} is already cancelled"
-    if state == "done":
-        return f"row {row_id} was delivered (kept by its family's retention)"
-    if action == "cancel":
-        return f"row {row_id} was not cancelled: it may already have been asked to stop"
-    return f"row {row_id} is not parked: only parked rows can be retried or purged"
-
-
-def retry_parked(
-    dispatcher: Dispatcher,
-    ids: list[int] | None,
-    family: str | None = None,
-    database: str | None = None,
-) -> Done:
-    """Parked rows (``ids``, or all of ``family``, or all) due again with attempts reset; row
-    ids are of ``database`` (required for ids when there are several)."""
-    done = dispatcher.ops.parked_retry(ids=ids, family=family, database=database)
-    return Done(done, _misses(dispatcher, ids, done, "retry", database))
-
-
-def purge_parked(
-    dispatcher: Dispatcher,
-    ids: list[int] | None,
-    family: str | None = None,
-    database: str | None = None,
-) -> Done:
-    """Parked rows deleted; an ordered actor whose parked head is gone gets its next row."""
-    done = dispatcher.ops.parked_purge(ids=ids, family=family, database=database)
-    return Done(done, _misses(dispatcher, ids, done, "purge", database))
-
-
-def cancel(
-    dispatcher: Dispatcher,
-    ids: list[int] | None,
-    *,
-    dedupe_key: str | None = None,
-    actor: str | None = None,
-    command: str | None = None,
-    reason: str | None = None,
-    by: str,
-    database: str | None = None,
-) -> Done:
-    """Cancel rows by id, dedupe key or actor in one transaction per database: rows nobody
-    delivers are cancelled at once, running ones asked to stop. Ids are of ``database``
-    (required for ids when there are several); a key or an actor is looked for in every
-    database unless one is named."""
-    if ids is not None and not ids and dedupe_key is None and actor is None:
-        return Done([], ["no row named"])  # an empty selection cancels nothing, never all
-    cancelled: list[int] = []
-    requested: list[int] = []
-    if ids and database is None and len(dispatcher.databases) > 1:
-        return Done([], ["row ids are per database: name the database of the ids"])
-    for db in dispatcher.chosen_databases(database):
-        with psycopg.connect(db.url) as conn, conn.transaction():
-            targets: list[int | None] = list(ids) if ids else [None]
-            for row_id in targets:
-                result = dispatcher.cancel(
-                    conn,
-                    row_id,
-                    dedupe_key=dedupe_key,
-                    actor=actor,
-                    command=command,
-                    reason=reason,
-                    by=by,
-                    database=db.name,
-                )
-                cancelled += result.cancelled
-                requested += result.requested
-    matched = set(cancelled) | set(requested)
-    reasons = [why_not(dispatcher, i, "cancel", database) for i in ids or [] if i not in matched]
-    if not matched and not ids:
-        reasons.append("no pending or running row matched")
-    return Done(cancelled, reasons, requested)
-
-
-def _misses(
-    dispatcher: Dispatcher,
-    ids: list[int] | None,
-    done: list[int],
-    action: str,
-    database: str | None = None,
-) -> list[str]:
-    missing = sorted(set(ids or []) - set(done))
-    reasons = [why_not(dispatcher, i, action, database) for i in missing]
-    if not done and not reasons:
-        reasons.append("no parked row matched")
-    return reasons
 
 
 class Operations:
@@ -183,6 +67,8 @@ class Operations:
         seen = {s.family: s for s in db.store.status()}
         out = [seen.pop(name, FamilyStatus(name, 0, 0, 0, 0, 0, 0, 0.0)) for name in d.families]
         out += list(seen.values())
+        paused = {p["family"] for p in db.store.paused()}
+        out = [replace(s, paused=s.family in paused) for s in out]
         special = [f for f in d.families.values() if f.ordered or d.is_capped(f)]
         if not special:
             return out
@@ -249,6 +135,84 @@ class Operations:
             for db in self.dispatcher.chosen_databases(database)
             for row in db.store.parked_list(family=family, limit=limit)
         ]
+
+    def pause(
+        self,
+        family: str,
+        *,
+        reason: str | None = None,
+        by: str | None = None,
+        database: str | None = None,
+    ) -> None:
+        """Stop claiming ``family``'s rows in every database (or the one named) until resumed:
+        rows already claimed or running finish, enqueues still commit, and the pause holds on
+        every worker and across restarts (it is a row in Postgres)."""
+        self._family_named(family)
+        for what, value in (("reason", reason), ("by", by)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
+        for db in self.dispatcher.chosen_databases(database):
+            db.store.pause(family, reason, who(by))
+        self.audit("pause", {"family": family}, 0, by=by, reason=reason, database=database)
+
+    def resume(self, family: str, *, by: str | None = None, database: str | None = None) -> bool:
+        """Claim ``family``'s rows again, at once; False when it was not paused anywhere."""
+        self._family_named(family)
+        resumed = False
+        for db in self.dispatcher.chosen_databases(database):
+            if db.store.resume(family):
+                resumed = True
+                self.dispatcher.runtime.request_claim(family, db.name)
+        if resumed:
+            self.audit("resume", {"family": family}, 0, by=by, database=database)
+        return resumed
+
+    def audit(
+        self,
+        action: str,
+        selection: dict[str, Any],
+        rows: int,
+        *,
+        by: str | None = None,
+        reason: str | None = None,
+        database: str | None = None,
+    ) -> None:
+        """Record an operator action (retry, purge, cancel, pause, resume) in the audit log of
+        every database it was done in; ``by`` defaults to the OS user, marked as Python."""
+        for db in self.dispatcher.chosen_databases(database):
+            db.store.audit(who(by), action, selection, rows, reason)
+
+    def audit_log(self, *, limit: int = 50, database: str | None = None) -> list[dict[str, Any]]:
+        """The latest operator actions, newest first, of every database (or the one named)."""
+        if not count_in(limit, 1, MAX_ROW_ID):
+            raise InvalidArgument(f"limit must be a whole number from 1, got {limit!r}")
+        rows = [
+            {"database": db.name, **row}
+            for db in self.dispatcher.chosen_databases(database)
+            for row in db.store.audit_list(limit)
+        ]
+        return sorted(rows, key=lambda r: r["at"], reverse=True)[:limit]
+
+    def paused(self, database: str | None = None) -> list[dict[str, Any]]:
+        """Paused families of every database (or the one named), with when, why and who."""
+        return [
+            {"database": db.name, **row}
+            for db in self.dispatcher.chosen_databases(database)
+            for row in db.store.paused()
+        ]
+
+    def _family_named(self, family: object) -> None:
+        if not isinstance(family, str) or family not in self.dispatcher.families:
+            known = ", ".join(sorted(self.dispatcher.families))
+            raise InvalidArgument(f"no family {family!r}: this dispatcher has {known}")
+
+    def row(self, row_id: int, *, database: str | None = None) -> dict[str, Any] | None:
+        """One row with everything an operator reads (its last error and the traceback of
+        its last failed attempt among it), or None; row ids are per database."""
+        checked_row_id(row_id)
+        db = self.dispatcher.database(database)
+        found = [r for r in db.store.find_rows(str(row_id), []) if r["id"] == row_id]
+        return {"database": db.name, **found[0]} if found else None
 
     def _row_databases(self, ids: list[int] | None, database: str | None) -> list[Database]:
         """Row ids mean a row in one database: with several, they need its name."""
@@ -360,3 +324,14 @@ class Operations:
         first = self.dispatcher.database()
         enqueue = partial(self.dispatcher.enqueue, database=first.name)
         return first.maintenance.run_cron(self.schedules.values(), enqueue, now)
+
+
+def who(by: str | None) -> str:
+    """Who acted: as given, else the OS user of this process, marked as a Python call."""
+    if by:
+        return by
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment (a container without one)
+        user = "unknown"
+    return f"{user} (python)"

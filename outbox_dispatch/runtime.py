@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from outbox_dispatch.caps.semaphore import Caps
 from outbox_dispatch.celery import tasks, wiring
+from outbox_dispatch.celery.run import run_task
 from outbox_dispatch.claim.claimer import Claimer, ClaimReport
 from outbox_dispatch.claim.listener import CommitListener
 from outbox_dispatch.claim.publisher import Publisher, family_command
@@ -93,7 +94,7 @@ class Runtime:
                 database=name,
                 primary=i == 0,
             )
-            maintenance = Maintenance(store, d.families)
+            maintenance = Maintenance(store, d.families, s.audit_seconds)
             out[name] = Database(
                 name, store.database_url, i == 0, store, claimer, delivery, maintenance
             )
@@ -260,7 +261,7 @@ class Runtime:
         task = d.app.tasks.get(command)  # finalizes the app: only ever at delivery
         if task is None:
             return None
-        run = partial(tasks.run_task, task, d.queue_name)
+        run = partial(run_task, task, d.queue_name)
         return Registration(command, self.settings.task_family, run, task=True)
 
     def shown_name(self, family: Family, command: str) -> str:

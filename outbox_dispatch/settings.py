@@ -41,6 +41,7 @@ class Settings:
     task_family: str = "job"
     task_outside: str | None = None  # None: "commit", with a warning once per call site
     flushed_starts: bool = False
+    audit_retention: float | timedelta = timedelta(days=90)  # the operators' audit log
     # name -> URL of every database, the first one being the default
     urls: dict[str, str] = field(init=False, repr=False, compare=False)
 
@@ -51,6 +52,7 @@ class Settings:
         family_name(self.task_family)
         interval("claim_interval", self.claim_interval)
         interval("prune_interval", self.prune_interval)
+        retention_seconds(self.audit_retention)
         for name in ("claim_batch", "prune_batch", "pool_size", "handler_pool_size"):
             require_whole(name, getattr(self, name))
         require_whole("payload_limit", self.payload_limit, 2)
@@ -79,6 +81,10 @@ class Settings:
     @property
     def claim_seconds(self) -> float:
         return interval("claim_interval", self.claim_interval)
+
+    @property
+    def audit_seconds(self) -> float:
+        return retention_seconds(self.audit_retention)
 
     @property
     def prune_seconds(self) -> float:

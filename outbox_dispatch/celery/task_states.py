@@ -5,7 +5,8 @@ cancelled row is REVOKED; a message whose claim no longer holds is STALE. The me
 and the row settled by us in every case: no Celery retry message is ever published.
 
 A batched message is SUCCESS, its result each row's outcome. wiring.py turns the state into
-what Celery understands (a return value, Retry, an exception, an event).
+what Celery understands (a return value, or an event of ours with the handler's error and
+traceback, then Ignore).
 """
 
 from __future__ import annotations
@@ -31,14 +32,7 @@ class TaskState:
     report: Report
     text: str  # the SUCCESS result, else the error or the reason shown with the state
     due_in: float | None = None  # RETRY: seconds until the row is due again
-
-
-class AttemptFailed(Exception):
-    """The error of an attempt that will run again (what Flower shows with RETRY)."""
-
-
-class Parked(Exception):
-    """The error of a parked row (what Flower shows with FAILURE)."""
+    traceback: str = ""  # RETRY, FAILURE: the handler's traceback
 
 
 def task_state(results: Sequence[Result]) -> TaskState:
@@ -53,9 +47,9 @@ def task_state(results: Sequence[Result]) -> TaskState:
         case Outcome.DELIVERED:
             return TaskState(Report.SUCCESS, "delivered")
         case Outcome.RETRIED:
-            return TaskState(Report.RETRY, r.detail, r.due_in)
+            return TaskState(Report.RETRY, r.detail, r.due_in, r.traceback)
         case Outcome.PARKED:
-            return TaskState(Report.FAILURE, r.detail)
+            return TaskState(Report.FAILURE, r.detail, None, r.traceback)
         case Outcome.CANCELLED:
             return TaskState(Report.REVOKED, "cancelled")
         case _:  # stale, or lost: the attempt's result was discarded

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from celery import Task, current_task
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Retry
 
-from outbox_dispatch.celery.task_options import TaskCall, decode_call, plan_call, retry_delay
+from outbox_dispatch.celery.task_options import TaskCall, plan_call
 from outbox_dispatch.celery.transactions import (
     bound,
+    bound_async,
     bound_database,
     django_transaction,
     sqlalchemy_transaction,
@@ -32,17 +32,13 @@ from outbox_dispatch.core.errors import (
     ConfigurationError,
     InvalidArgument,
     OutsideTransaction,
-    PermanentFailure,
     ResultsNotSupported,
-    RetryLater,
     UnknownFamily,
 )
-from outbox_dispatch.core.logs import event
 from outbox_dispatch.observe import tracing
-from outbox_dispatch.store.callers import Steps, sync_caller
+from outbox_dispatch.store.callers import Steps, async_caller, sync_caller
 
 if TYPE_CHECKING:
-    from outbox_dispatch.core.handlers import Context
     from outbox_dispatch.core.validation import PreparedRow
     from outbox_dispatch.databases import Database
     from outbox_dispatch.dispatcher import Dispatcher
@@ -131,6 +127,40 @@ class OutboxTask(Task):  # type: ignore[misc]
         row_id = write_call(dispatcher, conn, self.name, call, family, bound_database())
         return EnqueuedTask(call.task_id or f"outbox:{row_id}", row_id, self.name)
 
+    async def aapply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> EnqueuedTask:
+        """``apply_async`` in async code: the row is written, awaited, on the connection of
+        the enclosing ``async with outbox_dispatch.using(conn):``, in its transaction."""
+        conn = bound()
+        if conn is None or not bound_async():
+            raise OutsideTransaction(
+                f"{self.name}.aapply_async() writes on the connection of `async with "
+                "outbox_dispatch.using(conn):` around an open transaction; there is none here"
+            )
+        dispatcher = _dispatcher_of(self)
+        given = {"task_id": task_id, **options}
+        call = plan_call(
+            self.name,
+            args,
+            kwargs,
+            {k: v for k, v in given.items() if v is not None},
+            now=datetime.now(UTC),
+            tz=self.app.timezone,
+        )
+        family = task_family(dispatcher, self, call, args, kwargs)
+        d, trace = dispatcher, tracing.current_context_json()
+        fields = (self.name, call.payload, call.actor, call.dedupe_key, call.delay, call.at, family)
+        row = d.writer.row(*fields, trace_json=trace)
+        caller = await async_caller(conn)
+        db = await d.writer.adatabase(caller, bound_database())
+        row_id = await caller.drive(_call_steps(d, db, row, self.name, call), "enqueue")
+        return EnqueuedTask(call.task_id or f"outbox:{row_id}", row_id, self.name)
+
+    async def adelay(self, *args: Any, **kwargs: Any) -> EnqueuedTask:
+        """``delay`` in async code, as ``aapply_async``."""
+        return await self.aapply_async(args, kwargs)
+
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's retry; during an outbox delivery, a Retry returned rather than raised
         (``throw=False``) is kept, so that the row is retried when the task returns, and an
@@ -171,6 +201,11 @@ def _transaction(dispatcher: Dispatcher) -> object | None:
     SQLAlchemy's (watch_sqlalchemy)."""
     conn = bound()
     if conn is not None:
+        if bound_async():
+            raise InvalidArgument(
+                "a task's .delay() or .apply_async() cannot write on the async connection of "
+                "`async with using(conn)`: await task.adelay(...) or task.aapply_async(...)"
+            )
         return conn if sync_caller(conn).joinable() else None
     django: object | None = django_transaction([db.url for db in dispatcher.databases.values()])
     if django is not None:
@@ -285,99 +320,6 @@ class EnqueuedTask:
     @property
     def result(self) -> Any:
         raise self._refuse()
-
-
-def run_task(task: Any, queue_of: Callable[[str], str], ctx: Context, payload: Any) -> None:
-    """A row of a task call: the task's own function with its args and kwargs, inside a
-    request like Celery's (``self.request.id`` the call's id, ``retries`` the attempts
-    before this one, ``outbox`` the delivery's Context, ``delivery_info`` the family's queue,
-    from ``queue_of``). The request is marked eager so
-    that ``self.retry()`` raises its Retry rather than publishing a message: the row is
-    retried instead, after the delay the Retry asked for."""
-    try:
-        call = decode_call(payload)
-    except ValueError as exc:
-        raise PermanentFailure(f"row {ctx.row_id} is not a call of {task.name}: {exc}") from exc
-    now = datetime.now(UTC)
-    if call.expires is not None and now >= call.expires:
-        event(
-            log,
-            logging.WARNING,
-            "task_expired",
-            f"{task.name} expired at {call.expires.isoformat()} before it ran: not run",
-            row_id=ctx.row_id,
-            family=ctx.family,
-            command=ctx.command,
-            attempt=ctx.attempt,
-        )
-        return
-    call_id = call.task_id or f"outbox:{ctx.row_id}"  # what the call returned as .id
-    flags: dict[str, Any] = {}  # what self.retry() left: shared by the requests pushed on ours
-    task.push_request(
-        id=call_id,
-        root_id=call_id,
-        retries=ctx.attempt - 1,
-        args=call.args,
-        kwargs=call.kwargs,
-        is_eager=True,
-        called_directly=False,
-        delivery_info={"exchange": "", "routing_key": queue_of(ctx.family)},
-        outbox=ctx,
-        outbox_flags=flags,
-        outbox_depth=0,  # the call's own request, pushed by Task.__call__, is depth 1
-    )
-    try:
-        if isinstance(task, OutboxTask):
-            task(*call.args, **call.kwargs)  # Celery's own call: current_task is the task
-        else:
-            task.run(*call.args, **call.kwargs)
-        kept = flags.get("retry")  # self.retry(throw=False)
-        if isinstance(kept, Retry):
-            raise kept
-    except Retry as retry:
-        raise _retry_later(task, retry, call.args, call.kwargs, now) from retry
-    except Ignore:
-        return  # Celery records nothing for an ignored task: the row is settled as done
-    except Reject as reject:
-        if reject.requeue:
-            raise RetryLater(
-                0.0, f"{task.name} rejected the call and asked to requeue it"
-            ) from None
-        raise PermanentFailure(f"{task.name} rejected the call: {reject.reason!r}") from reject
-    except (PermanentFailure, RetryLater):
-        raise
-    except Exception as exc:
-        if ctx.is_cancelled or type(exc).__name__ == "SoftTimeLimitExceeded":
-            raise  # told to stop (time limit, cancel, lost claim): the delivery decides
-        # Celery marks such a call FAILURE and does not run it again; its row is parked, to
-        # be retried or purged by hand, rather than lost
-        if flags.get("retries_out"):
-            why = f"its max_retries ({task.max_retries}) ran out"
-        else:
-            why = (
-                "not retried: the task did not call self.retry and autoretry_for does not cover it"
-            )
-        raise PermanentFailure(f"{type(exc).__name__}: {exc} ({why})") from exc
-    finally:
-        task.pop_request()
-
-
-def _retry_later(
-    task: Any, retry: Retry, args: list[Any], kwargs: dict[str, Any], now: datetime
-) -> Exception:
-    """The row's retry for a Celery Retry (``self.retry()`` or ``autoretry_for``), whose
-    max_retries check has passed: the next attempt is the retry it counted."""
-    sig = getattr(retry, "sig", None)
-    if sig is not None and (list(sig.args) != list(args) or dict(sig.kwargs) != dict(kwargs)):
-        return PermanentFailure(
-            f"{task.name} called self.retry() with new args or kwargs, which a row cannot "
-            "take: call the task anew with them instead"
-        )
-    delay = retry_delay(retry.when, task.default_retry_delay, now, task.app.timezone)
-    cause = retry.exc if isinstance(retry.exc, BaseException) else None
-    reason = f"{type(cause).__name__}: {cause}" if cause is not None else "self.retry()"
-    most = "" if task.max_retries is None else f" of {task.max_retries}"
-    return RetryLater(delay, f"{reason} (retry {int(task.request.retries) + 1}{most})")
 
 
 def write_call(

@@ -10,22 +10,21 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from outbox_dispatch.core.errors import OutsideTransaction
 from outbox_dispatch.core.logs import event
 from outbox_dispatch.store.adapters import database_target, django_target
-from outbox_dispatch.store.callers import Target, sync_caller
+from outbox_dispatch.store.callers import Target, async_caller, sync_caller
 
 if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
 
-_bound: ContextVar[tuple[object, str | None] | None] = ContextVar(
+_bound: ContextVar[tuple[object, str | None, bool] | None] = ContextVar(
     "outbox_dispatch_using", default=None
 )
 # SQLAlchemy connections of this context in a transaction, innermost last (watch_sqlalchemy)
@@ -34,18 +33,39 @@ _watching: list[bool] = []
 _warned: set[tuple[str, int]] = set()
 
 
-@contextmanager
-def using(conn: object, *, database: str | None = None) -> Iterator[None]:
-    """Task calls (``.delay()``, ``.apply_async()``) inside this block write their rows on
-    ``conn``, so they commit or roll back with the caller's transaction: a psycopg 3
-    connection, a SQLAlchemy Session or Connection, or a Django connection. ``database``
-    names which of the dispatcher's databases ``conn`` is, when a proxy hides it."""
-    sync_caller(conn)  # refuse what cannot carry a row now, not at the first call
-    token = _bound.set((conn, database))
-    try:
-        yield
-    finally:
-        _bound.reset(token)
+class using:
+    """Task calls inside this block write their rows on ``conn``, so they commit or roll back
+    with the caller's transaction. ``with using(conn):`` for ``.delay()`` and
+    ``.apply_async()`` on a psycopg 3 or psycopg2 connection, a SQLAlchemy Session or
+    Connection, or a Django connection; ``async with using(conn):`` for ``await
+    task.adelay()`` and ``await task.aapply_async()`` on psycopg 3's AsyncConnection, asyncpg's,
+    or SQLAlchemy's AsyncSession or AsyncConnection. ``database`` names which of the
+    dispatcher's databases ``conn`` is, when a proxy hides it."""
+
+    def __init__(self, conn: object, *, database: str | None = None) -> None:
+        self.conn = conn
+        self.database = database
+        self._tokens: list[Any] = []
+
+    def __enter__(self) -> None:
+        sync_caller(self.conn)  # refuse what cannot carry a row now, not at the first call
+        self._tokens.append(_bound.set((self.conn, self.database, False)))
+
+    def __exit__(self, *exc: object) -> None:
+        _bound.reset(self._tokens.pop())
+
+    async def __aenter__(self) -> None:
+        await async_caller(self.conn)  # the same refusal, for an async connection
+        self._tokens.append(_bound.set((self.conn, self.database, True)))
+
+    async def __aexit__(self, *exc: object) -> None:
+        _bound.reset(self._tokens.pop())
+
+
+def bound_async() -> bool:
+    """Whether the innermost binding is ``async with using(conn)``."""
+    found = _bound.get()
+    return found is not None and found[2]
 
 
 def bound() -> object | None:

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, Task
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore
 from kombu.entity import Queue
 
-from outbox_dispatch.celery.task_states import AttemptFailed, Parked, Report, TaskState, task_state
+from outbox_dispatch.celery.task_states import Report, TaskState, task_state
 from outbox_dispatch.core import timings
 
 if TYPE_CHECKING:
@@ -87,7 +87,6 @@ def register_tasks(
         "bind": True,
         "ignore_result": True,
         "typing": False,
-        "throws": (Parked,),  # a parked row is logged by us, once, without Celery's traceback
     }
 
     def run(self: Any, *args: Any, **kwargs: Any) -> str:
@@ -122,25 +121,27 @@ def soft_limit_at(task: Any, accepted: float) -> float | None:
 
 
 def report(task: Any, state: TaskState) -> str:
-    """Hand Celery the state: a result (SUCCESS), a Retry that publishes nothing (RETRY), an
-    exception (FAILURE), or an event of its own and Ignore, which acks the message and sends
-    nothing more (REVOKED, STALE)."""
-    match state.report:
-        case Report.SUCCESS:
-            return state.text
-        case Report.RETRY:
-            raise Retry(exc=AttemptFailed(state.text), when=state.due_in)
-        case Report.FAILURE:
-            raise Parked(state.text)
-        case _:
-            # sent whether or not this worker sends task events: Flower switches them on by
-            # remote control, which a pool process cannot see; nobody listening, it is dropped
-            event = "task-revoked" if state.report is Report.REVOKED else "task-stale"
-            try:
-                task.send_event(event, reason=state.text, terminated=False, expired=False)
-            except Exception as exc:  # the row is settled; only Flower's view is missing
-                logging.getLogger(__name__).warning("could not send %s: %r", event, exc)
-            raise Ignore(state.text)
+    """Hand Celery the state: a result (SUCCESS), or an event of ours and Ignore, which acks
+    the message and sends nothing more. The event of a retried or parked row carries the
+    handler's error and traceback, so Flower shows where the handler failed (a Retry or an
+    exception raised here would show this module's frames); the row's own log line says it
+    once, so Celery logs no traceback of its own."""
+    if state.report is Report.SUCCESS:
+        return state.text
+    fields: dict[str, Any]
+    if state.report in (Report.RETRY, Report.FAILURE):
+        name = "task-retried" if state.report is Report.RETRY else "task-failed"
+        fields = {"exception": state.text, "traceback": state.traceback}
+    else:
+        name = "task-revoked" if state.report is Report.REVOKED else "task-stale"
+        fields = {"reason": state.text, "terminated": False, "expired": False}
+    # sent whether or not this worker sends task events: Flower switches them on by remote
+    # control, which a pool process cannot see; nobody listening, it is dropped
+    try:
+        task.send_event(name, **fields)
+    except Exception as exc:  # the row is settled; only Flower's view is missing
+        logging.getLogger(__name__).warning("could not send %s: %r", name, exc)
+    raise Ignore(state.text)
 
 
 class _QuietMaintenance(logging.Filter):

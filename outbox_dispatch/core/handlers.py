@@ -92,11 +92,14 @@ Resolver = Callable[[str], Registration | None]
 
 class Registry:
     """Commands and their handlers. ``resolve`` finds a command nobody registered: a Celery
-    task's name, whose rows its calls wrote (celery/tasks.py); what it finds is kept."""
+    task's name, whose rows its calls wrote (celery/tasks.py); resolvers added with
+    ``add_resolver`` are asked after it, in the order added (a Django task's module path,
+    contrib/django/tasks.py). What they find is kept."""
 
     def __init__(self, resolve: Resolver | None = None) -> None:
         self._by_command: dict[str, Registration] = {}
         self.resolve = resolve
+        self._resolvers: tuple[Resolver, ...] = ()
         self._resolved: dict[str, Registration] = {}
         # families with a command capped on its own: asked for every row a commit names
         self._capped: frozenset[str] = frozenset()
@@ -138,15 +141,24 @@ class Registry:
         reg = self.registration(command)
         return reg.fn if reg else None
 
+    def add_resolver(self, resolver: Resolver) -> None:
+        """Ask ``resolver`` too for a command nobody registered (after ``resolve``); adding
+        one that is already there does nothing."""
+        if resolver not in self._resolvers:
+            self._resolvers = (*self._resolvers, resolver)
+
     def registration(self, command: str) -> Registration | None:
         reg = self._by_command.get(command)
-        if reg is not None or self.resolve is None:
+        if reg is not None:
             return reg
         found = self._resolved.get(command)
         if found is None:
-            found = self.resolve(command)  # a miss is asked again: its module may load later
-            if found is not None:
-                self._resolved[command] = found
+            # a miss is asked again: its module may load later
+            for resolve in (self.resolve, *self._resolvers):
+                found = resolve(command) if resolve is not None else None
+                if found is not None:
+                    self._resolved[command] = found
+                    break
         return found
 
     def commands(self) -> list[Registration]:

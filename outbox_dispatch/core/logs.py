@@ -14,15 +14,20 @@ ROW_FIELDS = ("row_id", "family", "command", "actor", "attempt")
 
 MASK = "***"
 
-# scheme://user:password@host — the user may be empty (redis://:pw@host). Parsers disagree on
-# where an unencoded '@' or '/' in a password ends it (libpq: the first '@', urllib: the last
-# one before the path), so everything up to the token's last '@' is masked: a URL with an '@'
-# in its path shows less of itself, and no password shows at all.
+# scheme://user:password@host — the user may be empty (redis://:pw@host). A password may hold
+# anything, quotes, spaces and '@' included, and parsers disagree on where an unencoded '@'
+# ends it, so everything from the user's ':' to the last '@' before the line's next URL is
+# masked: a line with an '@' after the URL shows less of itself, and no password shows.
 _URL_PASSWORD = re.compile(
-    r"(?P<pre>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]*:)(?P<secret>[^\s'\"]*)(?P<post>@)"
+    r"(?P<pre>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]*:)"
+    r"(?P<secret>(?:(?!\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^\n])*)(?P<post>@)"
+)
+# what the pattern above left: a password that holds '://' itself, masked to the line's last '@'
+_URL_PASSWORD_LEFT = re.compile(
+    r"(?P<pre>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]*:)(?!\*\*\*@)(?P<secret>[^\n]*)(?P<post>@)"
 )
 # ?password=... or &sslpassword=... in a URL's query string
-_QUERY_PASSWORD = re.compile(r"(?P<pre>[?&][a-zA-Z_]*password=)(?P<secret>[^&#\s'\"]*)", re.I)
+_QUERY_PASSWORD = re.compile(r"(?P<pre>[?&][a-zA-Z_]*password=)(?P<secret>[^&#\s]*)", re.I)
 # password=... in a libpq keyword DSN: an unquoted value up to whitespace, or a quoted one
 # with \' and \\ escapes
 _KEYWORD_PASSWORD = re.compile(
@@ -37,6 +42,7 @@ def mask_dsn(text: str) -> str:
     one, such as a driver error that quotes the URL it could not parse.
     """
     text = _URL_PASSWORD.sub(rf"\g<pre>{MASK}\g<post>", text)
+    text = _URL_PASSWORD_LEFT.sub(rf"\g<pre>{MASK}\g<post>", text)
     text = _QUERY_PASSWORD.sub(rf"\g<pre>{MASK}", text)
     return _KEYWORD_PASSWORD.sub(rf"\g<pre>{MASK}", text)
 

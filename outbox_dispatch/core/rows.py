@@ -92,6 +92,7 @@ class FamilyStatus:
     blocked: int = 0  # ordered rows behind their actor's head
     actors_at_cap: int = 0
     database: str = "default"  # which of the dispatcher's databases these counts are of
+    paused: bool = False  # its due rows are not claimed until it is resumed
 
 
 # -- an operator's view of one row (pure): its state, and what happened to it when ------------
@@ -152,3 +153,34 @@ def history(row: Mapping[str, Any]) -> list[tuple[datetime, str]]:
         again = f" (last error: {error})" if attempts and error else ""
         add("due_at", ("due again" if attempts else "due") + again)
     return sorted(events, key=lambda e: e[0])
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """An operator's bulk selection: every parked (or, for cancel, pending) row of a family,
+    command and actor, whose last error contains ``error``, older than ``older_than``
+    seconds; None matches anything."""
+
+    family: str | None = None
+    command: str | None = None
+    actor: str | None = None
+    error: str | None = None
+    older_than: float | None = None
+
+    def params(self, parked: bool) -> dict[str, object]:
+        """The query's parameters; the error text matches literally (LIKE's wildcards are
+        escaped)."""
+        error = self.error
+        if error is not None:
+            error = error.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        return {
+            "parked": parked,
+            "family": self.family,
+            "command": self.command,
+            "actor": self.actor,
+            "error": error,
+            "older": self.older_than,
+        }
+
+    def shown(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}

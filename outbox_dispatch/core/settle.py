@@ -65,6 +65,7 @@ class Settle:
     delay: float = 0.0
     error: str | None = None
     maybe_applied: bool = False  # retry: the next attempt is told this one's effects are unknown
+    traceback: str | None = None  # retry, park: where the handler failed (last_traceback)
 
     @property
     def delivers(self) -> bool:

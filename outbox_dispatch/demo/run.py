@@ -7,6 +7,8 @@ worker and beat deliver, and only rows enqueued by this run are counted.
 
 from __future__ import annotations
 
+import fnmatch
+import itertools
 import os
 import random
 import signal
@@ -20,6 +22,7 @@ from typing import Any
 import psycopg
 import redis
 
+from outbox_dispatch.core.errors import ConfigurationError
 from outbox_dispatch.core.logs import mask_dsn
 from outbox_dispatch.core.tables import table
 from outbox_dispatch.core.validation import Message
@@ -39,15 +42,34 @@ class Progress:
     waiting_retry: int
 
 
-def _reset(database_url: str, schema: str, redis_url: str) -> None:
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+OWN_KEYS = ("outbox.*", "outbox:*", "_kombu.*", "unacked*", "celery*")  # what a run leaves
+
+
+def _reset(database_url: str, schema: str, redis_url: str, force: bool = False) -> None:
+    """A clean start: the demo's schema dropped and the queues an earlier, interrupted run
+    left cleared. A Redis database holding keys the demo did not make is refused (it would be
+    someone else's), unless ``force``."""
     client = redis.Redis.from_url(redis_url)
-    # The demo owns its Redis db: clear queues left by an earlier, interrupted run.
-    for pattern in ("outbox.*", "_kombu.*", "unacked*"):
-        for key in client.scan_iter(pattern):
-            client.delete(key)
-    client.close()
+    try:
+        if not force:
+            foreign = [
+                k.decode(errors="replace")
+                for k in itertools.islice(client.scan_iter(count=1000), 10_000)
+                if not any(fnmatch.fnmatchcase(k.decode(errors="replace"), p) for p in OWN_KEYS)
+            ]
+            if foreign:
+                raise ConfigurationError(
+                    f"Redis {mask_dsn(redis_url)} holds keys the demo did not make "
+                    f"({', '.join(sorted(foreign)[:5])}...): point OUTBOX_REDIS_URL at a "
+                    "database of its own, or pass --force to clear the demo's keys beside them"
+                )
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        for pattern in OWN_KEYS:
+            for key in client.scan_iter(pattern):
+                client.delete(key)
+    finally:
+        client.close()
 
 
 def workload(rows: int, rng: random.Random) -> list[Message]:
@@ -133,6 +155,7 @@ def run_demo(
     timeout: float = 180.0,
     external: bool = False,
     events: bool = False,
+    force: bool = False,
 ) -> int:
     from outbox_dispatch.demo import app as demo
 
@@ -143,7 +166,11 @@ def run_demo(
     )
     procs: list[subprocess.Popen[bytes]] = []
     if not external:
-        _reset(database_url, schema, demo.REDIS_URL)
+        print(
+            f"demo: dropping schema {schema} and clearing the queues (outbox.*, _kombu.*, "
+            f"unacked*) in Redis {mask_dsn(demo.REDIS_URL)}: both are the demo's own"
+        )
+        _reset(database_url, schema, demo.REDIS_URL, force)
     dispatcher.migrate()
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(

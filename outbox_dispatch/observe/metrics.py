@@ -16,6 +16,8 @@ import functools
 import logging
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +134,8 @@ def handled(family: str, command: str, seconds: float, database: str = "default"
 
 # -- the scrape side ---------------------------------------------------------------------------
 
+STATUS_CACHE = 10.0  # seconds one status read serves scrapes for
+
 GAUGES = {
     # name suffix: (help, FamilyStatus field)
     "due": ("Rows due now and not claimed", "due"),
@@ -145,6 +149,7 @@ GAUGES = {
         "maybe_applied",
     ),
     "oldest_due_age_seconds": ("Age of the oldest row due and not claimed", "oldest_due_age"),
+    "paused": ("1 while the family is paused (`outbox-dispatch resume FAMILY`)", "paused"),
 }
 
 
@@ -152,13 +157,26 @@ class OutboxCollector:
     """Per-family gauges read at scrape time from Postgres (the status query) and the broker
     (queue lengths, which Flower does not show)."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, cache_seconds: float = STATUS_CACHE) -> None:
         self.dispatcher = dispatcher
+        self.cache_seconds = cache_seconds
+        self._cached: tuple[float, list[Any]] | None = None
+        self._lock = threading.Lock()
 
     def describe(self) -> list[Any]:
         return []  # read at scrape time only: registering must not touch Postgres
 
     def collect(self) -> Iterator[Any]:
+        """The gauges, from a status read at most once per ``cache_seconds`` (a scrape
+        interval): several scrapers, or a fast one, cost Postgres one status query."""
+        with self._lock:
+            now = time.monotonic()
+            if self._cached is None or now - self._cached[0] >= self.cache_seconds:
+                self._cached = (now, list(self._read()))
+            metrics = self._cached[1]
+        yield from metrics
+
+    def _read(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
         up = GaugeMetricFamily(
@@ -197,7 +215,7 @@ class OutboxCollector:
         yield q
 
 
-def registry(dispatcher: Dispatcher | None) -> Any:
+def registry(dispatcher: Dispatcher | None, cache_seconds: float = STATUS_CACHE) -> Any:
     """A registry with the outbox gauges, and the counters and histograms of this process, or
     of every process that wrote to the multiprocess directory."""
     from prometheus_client import REGISTRY, CollectorRegistry, multiprocess
@@ -210,7 +228,7 @@ def registry(dispatcher: Dispatcher | None) -> Any:
         _instruments()  # registers the counters in the default registry
         reg.register(_Forward(REGISTRY))
     if dispatcher is not None:
-        reg.register(OutboxCollector(dispatcher))
+        reg.register(OutboxCollector(dispatcher, cache_seconds))
     return reg
 
 
@@ -227,12 +245,19 @@ class _Forward:
         yield from self.source.collect()
 
 
-def serve(dispatcher: Dispatcher | None, port: int, addr: str = "0.0.0.0") -> Any:  # noqa: S104
+def serve(
+    dispatcher: Dispatcher | None,
+    port: int,
+    addr: str | None = None,
+    cache_seconds: float = STATUS_CACHE,
+) -> Any:
     """Serve /metrics on a daemon thread; returns the server (``shutdown()`` then
     ``server_close()`` stop it)."""
     from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(port, addr=addr, registry=registry(dispatcher))
+    addr = addr or os.environ.get(ADDR_ENV) or "127.0.0.1"
+    reg = registry(dispatcher, cache_seconds)
+    server, _thread = start_http_server(port, addr=addr, registry=reg)
     event(
         log, logging.INFO, "metrics_serving", f"Prometheus metrics on http://{addr}:{port}/metrics"
     )
@@ -251,6 +276,8 @@ def prepare_multiprocess_dir(path: str | None = None) -> Path:
 
 
 PORT_ENV = "OUTBOX_METRICS_PORT"
+# where /metrics listens: loopback unless told (the page has no auth: expose it on purpose)
+ADDR_ENV = "OUTBOX_METRICS_ADDR"
 
 
 def install_worker_server(app: Any, dispatcher: Dispatcher) -> None:

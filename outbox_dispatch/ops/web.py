@@ -16,44 +16,48 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import html
-import json
 import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from outbox_dispatch import operations
 from outbox_dispatch.core.errors import ConfigurationError, OutboxError
 from outbox_dispatch.core.logs import mask_dsn
-from outbox_dispatch.core.rows import STATE_WORDS, history, state_of
+from outbox_dispatch.core.rows import STATE_WORDS, RowFilter, history, state_of
+from outbox_dispatch.ops import actions
+from outbox_dispatch.ops.html import (
+    FILTER_FIELDS,
+    HEADERS,
+    STYLE,
+    Page,
+    as_json,
+    bulk_form,
+    esc,
+    filter_form,
+    first,
+    ids_of,
+    pause_forms,
+    request_body,
+    search_form,
+    short,
+    table,
+    when,
+)
 
 if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
-HEADERS = [
-    (
-        "Content-Security-Policy",
-        "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'",
-    ),
-    ("X-Frame-Options", "DENY"),
-    ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "same-origin"),
-    ("Cache-Control", "no-store"),
+AUDIT_COLUMNS = [
+    ("at", "when"),
+    ("by", "who"),
+    ("action", "action"),
+    ("rows", "rows"),
+    ("selection", "selection"),
+    ("reason", "why"),
 ]
-
-STYLE = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222 }
-nav a { margin-right: 1em } table { border-collapse: collapse; margin: .5em 0 1.5em }
-th, td { border-bottom: 1px solid #ddd; padding: .25em .6em; text-align: left;
-  vertical-align: top } th { background: #f4f4f4 } td.n { text-align: right }
-.msg { background: #eef6ee; border: 1px solid #9c9; padding: .5em; margin: .5em 0 }
-.warn { background: #fdf3e7; border-color: #e0a060 } form.inline { display: inline }
-pre { background: #f7f7f7; padding: .5em; white-space: pre-wrap; max-width: 60em }
-"""
 
 STATUS_COLUMNS = [
     ("family", "family"),
@@ -65,6 +69,7 @@ STATUS_COLUMNS = [
     ("blocked", "blocked"),
     ("parked", "parked"),
     ("oldest_due_age", "oldest due"),
+    ("paused", "paused"),
 ]
 
 
@@ -83,13 +88,20 @@ class WebApp:
     """The WSGI app. ``secret`` signs the action forms (random per process by default)."""
 
     def __init__(
-        self, dispatcher: Dispatcher, *, user: str, password: str, secret: bytes | None = None
+        self,
+        dispatcher: Dispatcher,
+        *,
+        user: str,
+        password: str,
+        secret: bytes | None = None,
+        viewer: tuple[str, str] | None = None,
     ) -> None:
         if not user or not password:
             raise ConfigurationError("the outbox page needs a user and a password")
         self.dispatcher = dispatcher
         self.user = user
         self.password = password
+        self.viewer = viewer  # a read-only credential: it sees everything and acts on nothing
         self.secret = secret or secrets.token_bytes(32)
         self.routes: dict[tuple[str, str], Callable[[dict[str, list[str]]], Page]] = {
             ("GET", "/"): self.status,
@@ -98,12 +110,17 @@ class WebApp:
             ("POST", "/retry"): self.retry,
             ("POST", "/purge"): self.purge,
             ("POST", "/cancel"): self.cancel,
+            ("POST", "/pause"): self.pause,
+            ("POST", "/resume"): self.resume,
+            ("POST", "/bulk"): self.bulk,
         }
 
     # -- WSGI --------------------------------------------------------------------------------
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        if not self._authorized(environ.get("HTTP_AUTHORIZATION", "")):
+        header = environ.get("HTTP_AUTHORIZATION", "")
+        operator = self._authorized(header, (self.user, self.password))
+        if not operator and not (self.viewer and self._authorized(header, self.viewer)):
             start_response(
                 "401 Unauthorized",
                 [("WWW-Authenticate", 'Basic realm="outbox", charset="UTF-8"'), *HEADERS],
@@ -118,8 +135,10 @@ class WebApp:
             start_response(status, [("Content-Type", "text/plain; charset=utf-8"), *HEADERS])
             return [status.encode()]
         if method == "POST":
-            params = parse_qs(_body(environ), keep_blank_values=True)
-            refused = self._refused(environ, params)
+            params = parse_qs(request_body(environ), keep_blank_values=True)
+            refused = self._refused(environ, params) or (
+                None if operator else "refused: this credential is read-only"
+            )
             if refused:
                 start_response("403 Forbidden", [("Content-Type", "text/plain"), *HEADERS])
                 return [refused.encode()]
@@ -128,7 +147,7 @@ class WebApp:
         try:
             page = handler(params)
         except OutboxError as exc:
-            page = Page("error", f'<p class="msg warn">{_e(mask_dsn(str(exc)))}</p>')
+            page = Page("error", f'<p class="msg warn">{esc(mask_dsn(str(exc)))}</p>')
         if page.redirect is not None:
             start_response("303 See Other", [("Location", page.redirect), *HEADERS])
             return [b""]
@@ -136,7 +155,7 @@ class WebApp:
         start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"), *HEADERS])
         return [body]
 
-    def _authorized(self, header: str) -> bool:
+    def _authorized(self, header: str, credential: tuple[str, str]) -> bool:
         scheme, _, encoded = header.partition(" ")
         if scheme.lower() != "basic":
             return False
@@ -145,8 +164,8 @@ class WebApp:
         except (ValueError, UnicodeDecodeError):
             return False
         user, _, password = given.partition(":")
-        return hmac.compare_digest(user.encode(), self.user.encode()) & hmac.compare_digest(
-            password.encode(), self.password.encode()
+        return hmac.compare_digest(user.encode(), credential[0].encode()) & hmac.compare_digest(
+            password.encode(), credential[1].encode()
         )
 
     def token(self) -> str:
@@ -177,6 +196,7 @@ class WebApp:
                     **s.__dict__,
                     "queued": queued.get(s.family, "-"),
                     "oldest_due_age": f"{s.oldest_due_age:.1f} s",
+                    "paused": "PAUSED" if s.paused else "",
                 }
             )
         if self.several:
@@ -184,7 +204,31 @@ class WebApp:
             link = {"parked": "/parked?family={family}&db={database}"}
         else:
             columns, link = STATUS_COLUMNS, {"parked": "/parked?family={family}"}
-        return Page("status", _search_form() + _table(rows, columns, link), self._message(params))
+        body = search_form() + table(rows, columns, link) + self._pause_forms()
+        recent = self.dispatcher.ops.audit_log(limit=20)
+        body += "<h3>recent operator actions</h3>" + (
+            table(recent, AUDIT_COLUMNS) if recent else "<p>none recorded</p>"
+        )
+        return Page("status", body, self._message(params))
+
+    def _pause_forms(self) -> str:
+        families = sorted(self.dispatcher.families)
+        return pause_forms(self.dispatcher.ops.paused(), families, self.token())
+
+    def pause(self, params: dict[str, list[str]]) -> Page:
+        family = first(params, "family")
+        reason = first(params, "reason") or None
+        self.dispatcher.ops.pause(family, reason=reason, by=f"outbox page: {self.user}")
+        return self._back("/", f"family {family} paused")
+
+    def resume(self, params: dict[str, list[str]]) -> Page:
+        family = first(params, "family")
+        done = self.dispatcher.ops.resume(family, by=f"outbox page: {self.user}")
+        return self._back("/", f"family {family} " + ("resumed" if done else "was not paused"))
+
+    def _back(self, target: str, ok: str) -> Page:
+        query = {"ok": ok, "sig": self._sign(ok, "")}
+        return Page("", redirect=f"{target}?{urlencode(query)}")
 
     @property
     def several(self) -> bool:
@@ -193,13 +237,13 @@ class WebApp:
     def _database(self, params: dict[str, list[str]]) -> str | None:
         """The database a request names (``db``), checked; None: every database (or, for row
         ids, the only one)."""
-        name = _first(params, "db") or None
+        name = first(params, "db") or None
         if name is not None and name not in self.dispatcher.databases:
             raise OutboxError(f"no database {name!r} here")
         return name
 
     def parked(self, params: dict[str, list[str]]) -> Page:
-        family = _first(params, "family") or None
+        family = first(params, "family") or None
         db = self._database(params)
         rows = self.dispatcher.ops.parked_list(family=family, limit=200, database=db)
         if not rows:
@@ -212,26 +256,60 @@ class WebApp:
                 where = self._where(r["database"])
                 body += (
                     "<tr>"
-                    + (f"<td>{_e(r['database'])}</td>" if self.several else "")
+                    + (f"<td>{esc(r['database'])}</td>" if self.several else "")
                     + f'<td><a href="/rows?q={r["id"]}{where}">{r["id"]}</a></td>'
-                    f"<td>{_e(r['family'])}</td><td>{_e(r['command'])}</td>"
-                    f"<td>{_e(r['actor'] or '-')}</td><td class=n>{r['attempts']}</td>"
-                    f"<td>{_when(r['parked_at'])}</td><td>{_e(_short(r['last_error']))}</td>"
+                    f"<td>{esc(r['family'])}</td><td>{esc(r['command'])}</td>"
+                    f"<td>{esc(r['actor'] or '-')}</td><td class=n>{r['attempts']}</td>"
+                    f"<td>{when(r['parked_at'])}</td><td>{esc(short(r['last_error']))}</td>"
                     f"<td>{self._button('/retry', r['id'], 'retry', r['database'])}"
                     f"{self._button('/purge', r['id'], 'purge', r['database'])}</td></tr>"
                 )
             body += "</table>"
+        values = {name: first(params, name) for name, _label in FILTER_FIELDS}
+        selection = filter_form(values)
+        if any(values[name] for name in ("command", "actor", "error", "older")):
+            count = actions.bulk(
+                self.dispatcher, "retry", self._filter(values), dry_run=True, database=db
+            ).count
+            selection += bulk_form(values, count, self.token())
         title = f"parked rows of {family}" if family else "parked rows"
-        return Page(title, body, self._message(params))
+        return Page(title, selection + body, self._message(params))
+
+    def _filter(self, values: Mapping[str, str]) -> RowFilter:
+        older = values.get("older") or ""
+        if older and not older.replace(".", "", 1).isdigit():
+            raise OutboxError(f"{older!r} is not a number of minutes")
+        return RowFilter(
+            family=values.get("family") or None,
+            command=values.get("command") or None,
+            actor=values.get("actor") or None,
+            error=values.get("error") or None,
+            older_than=float(older) * 60 if older else None,
+        )
+
+    def bulk(self, params: dict[str, list[str]]) -> Page:
+        action = first(params, "action")
+        if action not in ("retry", "purge"):
+            raise OutboxError(f"{action!r} is not an action on parked rows")
+        values = {name: first(params, name) for name, _label in FILTER_FIELDS}
+        done = actions.bulk(
+            self.dispatcher,
+            action,
+            self._filter(values),
+            by=f"outbox page: {self.user}",
+            database=self._database(params),
+        )
+        verb = "due again (attempts reset)" if action == "retry" else "purged"
+        return self._back("/parked", f"{done.done} rows {verb}")
 
     def _where(self, database: str) -> str:
         """The query part naming a row's database, when there are several."""
-        return f"&db={_e(database)}" if self.several else ""
+        return f"&db={esc(database)}" if self.several else ""
 
     def rows(self, params: dict[str, list[str]]) -> Page:
-        q = _first(params, "q").strip()
+        q = first(params, "q").strip()
         if not q:
-            return Page("find a row", _search_form(), self._message(params))
+            return Page("find a row", search_form(), self._message(params))
         families = sorted(self.dispatcher.families)
         found = [
             {**r, "database": db.name}
@@ -239,22 +317,24 @@ class WebApp:
             for r in db.store.find_rows(q, families)
         ]
         if not found:
-            body = f"<p>no row has the id, actor or dedupe key {_e(q)!s}</p>"
-            return Page(f"rows for {q}", _search_form(q) + body, self._message(params))
+            body = f"<p>no row has the id, actor or dedupe key {esc(q)!s}</p>"
+            return Page(f"rows for {q}", search_form(q) + body, self._message(params))
         now = datetime.now(UTC)
-        body = _search_form(q)
+        body = search_form(q)
         for r in found:
             state = state_of(r, now)
-            where = f" in {_e(r['database'])}" if self.several else ""
-            body += f"<h2>row {r['id']}{where}: {_e(STATE_WORDS[state])}</h2><table>"
+            where = f" in {esc(r['database'])}" if self.several else ""
+            body += f"<h2>row {r['id']}{where}: {esc(STATE_WORDS[state])}</h2><table>"
             for key in ("family", "command", "actor", "dedupe_key", "attempts", "lost_attempts"):
-                body += f"<tr><th>{key}</th><td>{_e(r[key] if r[key] is not None else '-')}</td>"
+                body += f"<tr><th>{key}</th><td>{esc(r[key] if r[key] is not None else '-')}</td>"
             body += "</table><h3>history</h3><table>"
-            for when, what in history(r):
-                body += f"<tr><td>{_when(when)}</td><td>{_e(what)}</td></tr>"
-            body += f"</table><h3>payload</h3><pre>{_e(_json(r['payload']))}</pre>"
+            for at, what in history(r):
+                body += f"<tr><td>{when(at)}</td><td>{esc(what)}</td></tr>"
+            body += f"</table><h3>payload</h3><pre>{esc(as_json(r['payload']))}</pre>"
             if r["last_error"]:
-                body += f"<h3>last error</h3><pre>{_e(r['last_error'])}</pre>"
+                body += f"<h3>last error</h3><pre>{esc(r['last_error'])}</pre>"
+            if r.get("last_traceback"):
+                body += f"<h3>traceback</h3><pre>{esc(r['last_traceback'])}</pre>"
             db = r["database"]
             if state == "parked":
                 body += self._button("/retry", r["id"], "retry", db)
@@ -266,17 +346,19 @@ class WebApp:
     # -- actions ---------------------------------------------------------------------------------
 
     def retry(self, params: dict[str, list[str]]) -> Page:
-        done = operations.retry_parked(self.dispatcher, _ids(params), None, self._database(params))
+        who, db = f"outbox page: {self.user}", self._database(params)
+        done = actions.retry_parked(self.dispatcher, ids_of(params), None, db, by=who)
         return self._after(params, done, "due again (attempts reset)")
 
     def purge(self, params: dict[str, list[str]]) -> Page:
-        done = operations.purge_parked(self.dispatcher, _ids(params), None, self._database(params))
+        who, db = f"outbox page: {self.user}", self._database(params)
+        done = actions.purge_parked(self.dispatcher, ids_of(params), None, db, by=who)
         return self._after(params, done, "purged")
 
     def cancel(self, params: dict[str, list[str]]) -> Page:
-        done = operations.cancel(
+        done = actions.cancel(
             self.dispatcher,
-            _ids(params),
+            ids_of(params),
             reason="cancelled on the outbox page",
             by=f"outbox page: {self.user}",
             database=self._database(params),
@@ -286,13 +368,13 @@ class WebApp:
         )
         return self._after(params, done, text)
 
-    def _after(self, params: dict[str, list[str]], done: operations.Done, verb: str) -> Page:
+    def _after(self, params: dict[str, list[str]], done: actions.Done, verb: str) -> Page:
         """Post/redirect/get: back to the row (or the parked list) with what happened, signed
         so that a link cannot put words of its own on the page."""
         rows = "1 row" if len(done.ids) == 1 else f"{len(done.ids)} rows"
         ok, warn = f"{rows} {verb}", "; ".join(done.reasons)
         query = {"ok": ok, "warn": warn, "sig": self._sign(ok, warn)}
-        ids = _ids(params)
+        ids = ids_of(params)
         db = self._database(params)
         target = f"/rows?q={ids[0]}" if len(ids) == 1 and verb != "purged" else "/parked"
         if db is not None and self.several:
@@ -305,13 +387,13 @@ class WebApp:
         return hmac.new(self.secret, b"message:" + text, hashlib.sha256).hexdigest()
 
     def _message(self, params: dict[str, list[str]]) -> list[tuple[str, bool]]:
-        ok, warn, sig = _first(params, "ok"), _first(params, "warn"), _first(params, "sig")
+        ok, warn, sig = first(params, "ok"), first(params, "warn"), first(params, "sig")
         if not (ok or warn) or not hmac.compare_digest(sig.encode(), self._sign(ok, warn).encode()):
             return []
         return [(m, False) for m in [ok] if m] + [(m, True) for m in [warn] if m]
 
     def _button(self, action: str, row_id: int, label: str, database: str) -> str:
-        db = f'<input type="hidden" name="db" value="{_e(database)}">' if self.several else ""
+        db = f'<input type="hidden" name="db" value="{esc(database)}">' if self.several else ""
         return (
             f'<form class="inline" method="post" action="{action}">'
             f'<input type="hidden" name="token" value="{self.token()}">'
@@ -321,98 +403,15 @@ class WebApp:
 
     def _layout(self, page: Page) -> str:
         flash = "".join(
-            f'<p class="msg{" warn" if warn else ""}">{_e(text)}</p>' for text, warn in page.flash
+            f'<p class="msg{" warn" if warn else ""}">{esc(text)}</p>' for text, warn in page.flash
         )
         return (
             "<!doctype html><html lang=en><head><meta charset=utf-8>"
-            f"<title>outbox: {_e(page.title)}</title><style>{STYLE}</style></head><body>"
+            f"<title>outbox: {esc(page.title)}</title><style>{STYLE}</style></head><body>"
             '<nav><a href="/">status</a><a href="/parked">parked</a><a href="/rows">find a row</a>'
-            f"<span>schema {_e(self.dispatcher.schema)}</span></nav>"
-            f"<h1>{_e(page.title)}</h1>{flash}{page.body}</body></html>"
+            f"<span>schema {esc(self.dispatcher.schema)}</span></nav>"
+            f"<h1>{esc(page.title)}</h1>{flash}{page.body}</body></html>"
         )
-
-
-class Page:
-    """What a handler produced: a page to show, or where to send the browser."""
-
-    def __init__(
-        self,
-        title: str,
-        body: str = "",
-        flash: Sequence[tuple[str, bool]] = (),
-        redirect: str | None = None,
-    ) -> None:
-        self.title = title
-        self.body = body
-        self.flash = list(flash)
-        self.redirect = redirect
-
-
-def _ids(params: dict[str, list[str]]) -> list[int]:
-    ids = []
-    for value in params.get("id", []):
-        if not (value.isascii() and value.isdigit()) or len(value) > 18:
-            raise OutboxError(f"{value!r} is not a row id")
-        ids.append(int(value))
-    if not ids:
-        raise OutboxError("no row named: pick a row first")
-    return ids
-
-
-def _body(environ: Mapping[str, Any]) -> str:
-    try:
-        length = int(environ.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        length = 0
-    data: bytes = environ["wsgi.input"].read(min(length, 64 * 1024)) if length > 0 else b""
-    return data.decode("utf-8", "replace")
-
-
-def _table(
-    rows: Sequence[Mapping[str, Any]],
-    columns: Sequence[tuple[str, str]],
-    link: Mapping[str, str] | None = None,
-) -> str:
-    out = "<table><tr>" + "".join(f"<th>{_e(label)}</th>" for _k, label in columns) + "</tr>"
-    for r in rows:
-        out += "<tr>"
-        for key, _label in columns:
-            value = r.get(key)
-            cell = _e("-" if value is None else value)
-            if link and key in link and value:
-                cell = f'<a href="{_e(link[key].format(**r))}">{cell}</a>'
-            numeric = isinstance(value, int | float) and not isinstance(value, bool)
-            out += f"<td{' class=n' if numeric else ''}>{cell}</td>"
-        out += "</tr>"
-    return out + "</table>"
-
-
-def _search_form(q: str = "") -> str:
-    return (
-        '<form method="get" action="/rows"><label>row id, actor or dedupe key '
-        f'<input name="q" value="{_e(q)}" size="40"></label> <button>find</button></form>'
-    )
-
-
-def _first(params: dict[str, list[str]], key: str) -> str:
-    return (params.get(key) or [""])[0]
-
-
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _when(value: datetime | None) -> str:
-    return "-" if value is None else value.isoformat(timespec="seconds")
-
-
-def _short(text: str | None) -> str:
-    text = text or ""
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 
 def serve(app: WebApp, host: str, port: int, ready: Callable[[], None] = lambda: None) -> None:

@@ -1,7 +1,7 @@
 -- The claim, in the order it runs: lock the family, count what is in flight, pick due rows
--- (capped families: rank candidates per actor), lease them; rows whose actor is at its cap
--- are set waiting, waiting rows whose actor freed a slot are offered first, and the slots of
--- started attempts whose lease ran out are given back.
+-- (none of a paused family, outbox_paused; capped families: rank candidates per actor), lease
+-- them; rows whose actor is at its cap are set waiting, waiting rows whose actor freed a slot
+-- are offered first, and the slots of started attempts whose lease ran out are given back.
 
 -- name: claim_lock_family
 -- Serializes one family's claims so the in-flight count cannot race; released at commit.
@@ -64,14 +64,15 @@ WITH room AS MATERIALIZED (
         SELECT id FROM __SCHEMA__.outbox
         WHERE family = %(family)s AND due_at <= now()
           AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+          AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_paused p WHERE p.family = %(family)s)
         ORDER BY due_at
         LIMIT (SELECT n FROM room)
         FOR UPDATE SKIP LOCKED
     )) AS ids
 ), leased AS (
     UPDATE __SCHEMA__.outbox o SET
-        (attempts, maybe_applied, lost_attempts, last_error, claim_token, claimed_at, due_since,
-         started_at, waiting, parked_at, due_at) = (
+        (attempts, maybe_applied, lost_attempts, last_error, last_traceback, claim_token,
+         claimed_at, due_since, started_at, waiting, parked_at, due_at) = (
         SELECT
             CASE WHEN j.exhausted OR (o.claim_token IS NOT NULL AND NOT j.lost) THEN o.attempts
                  ELSE o.attempts + 1 END,
@@ -83,6 +84,7 @@ WITH room AS MATERIALIZED (
                  WHEN j.lost THEN 'attempt ' || o.attempts
                      || ' ended without an outcome (worker died or lease ran out)'
                  ELSE o.last_error END,
+            CASE WHEN j.lost THEN NULL ELSE o.last_traceback END,
             CASE WHEN j.exhausted THEN NULL
                  WHEN cardinality(%(tokens)s::uuid[]) = 0 THEN gen_random_uuid()
                  ELSE (%(tokens)s::uuid[])[width_bucket(o.id, %(ids)s::bigint[])] END,
@@ -132,6 +134,7 @@ WITH room AS MATERIALIZED (
     SELECT id, actor, command, due_at FROM __SCHEMA__.outbox
     WHERE family = %(family)s AND due_at <= now()
       AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL
+      AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_paused p WHERE p.family = %(family)s)
     ORDER BY due_at
     LIMIT (SELECT CASE WHEN n = 0 THEN 0 ELSE greatest(4 * n, 100) END FROM room)
     FOR UPDATE SKIP LOCKED
@@ -217,10 +220,11 @@ RETURNING o.id;
 SELECT pg_notify(%(channel)s, %(family)s);
 
 -- name: claim_families_due
--- Which of the given families have a due row: one probe of the outbox_due index each, so a
--- claim pass over many idle families costs one round trip, not a claim transaction each.
+-- Which of the given families have a due row and are not paused: one probe of the outbox_due
+-- index each, so a claim pass over many idle families costs one round trip, not a claim
+-- transaction each.
 SELECT f FROM unnest(%(families)s::text[]) AS f
-WHERE EXISTS (
+WHERE NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_paused p WHERE p.family = f) AND EXISTS (
     SELECT 1 FROM __SCHEMA__.outbox
     WHERE family = f AND due_at <= now()
       AND parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL

@@ -1,4 +1,5 @@
--- Maintenance: pruning settled rows and stale cancel requests, and the cron schedules.
+-- Maintenance: pruning settled rows, stale cancel requests and the audit log past its
+-- retention, and the cron schedules.
 
 -- name: maintenance_prune
 -- One bounded batch of settled rows past their family's retention.
@@ -7,6 +8,16 @@ DELETE FROM __SCHEMA__.outbox WHERE id IN (
     WHERE family = %(family)s AND (done_at IS NOT NULL OR cancelled_at IS NOT NULL)
       AND coalesce(done_at, cancelled_at) < now() - make_interval(secs => %(retention)s)
     ORDER BY coalesce(done_at, cancelled_at)
+    LIMIT %(batch)s
+)
+RETURNING id;
+
+-- name: maintenance_prune_audit
+-- One bounded batch of the operators' audit log past its retention, oldest first.
+DELETE FROM __SCHEMA__.outbox_audit WHERE id IN (
+    SELECT id FROM __SCHEMA__.outbox_audit
+    WHERE at < now() - make_interval(secs => %(retention)s)
+    ORDER BY at
     LIMIT %(batch)s
 )
 RETURNING id;

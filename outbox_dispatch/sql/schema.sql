@@ -1,5 +1,5 @@
 -- The outbox schema as the migrations leave it, in one file to read. `outbox-dispatch migrate`
--- applies sql/migrations/ (they upgrade an existing schema); tests/integration/test_schema.py
+-- applies sql/migrations/ (they upgrade an existing schema); tests/adoption/test_schema.py
 -- checks that this file builds exactly what they build. __SCHEMA__ is the schema's name.
 
 -- The migrations applied to this schema (written by migrate, not by a migration).
@@ -48,6 +48,8 @@ CREATE TABLE __SCHEMA__.outbox (
     lost_attempts  integer     NOT NULL DEFAULT 0,
     -- when the current attempt became due: commit-to-start latency is measured from it
     due_since      timestamptz,
+    -- the traceback of the attempt that last failed (the handler's frames, the last 8 KB)
+    last_traceback text,
     CONSTRAINT outbox_attempts_nonnegative CHECK (attempts >= 0),
     -- a claimed row is never parked, cancelled or done at the same time
     CONSTRAINT outbox_claim_is_live CHECK (
@@ -108,3 +110,26 @@ CREATE TABLE __SCHEMA__.outbox_run_stats (
     updated_at  timestamptz      NOT NULL DEFAULT now(),
     PRIMARY KEY (family, process)
 );
+
+-- Paused families: their due rows are not claimed (running ones finish, enqueues commit) until
+-- resumed; a row here holds on every worker and survives restarts.
+CREATE TABLE __SCHEMA__.outbox_paused (
+    family    text        PRIMARY KEY,
+    paused_at timestamptz NOT NULL DEFAULT now(),
+    reason    text,
+    paused_by text
+);
+
+-- What operators did: every retry, purge, cancel, pause and resume, from the CLI, the page,
+-- the Django admin or Python, with who, what, how many rows and why. Pruned after the
+-- dispatcher's audit_retention (90 days by default).
+CREATE TABLE __SCHEMA__.outbox_audit (
+    id        bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at        timestamptz NOT NULL DEFAULT now(),
+    by        text        NOT NULL,
+    action    text        NOT NULL,
+    selection jsonb       NOT NULL,
+    rows      integer     NOT NULL,
+    reason    text
+);
+CREATE INDEX outbox_audit_at ON __SCHEMA__.outbox_audit (at);

@@ -18,14 +18,15 @@ RETURNING id;
 -- maybe_applied: the handler returned after it was told to stop, so its effects are unknown.
 UPDATE __SCHEMA__.outbox SET due_at = now() + make_interval(secs => %(delay)s),
     claim_token = NULL, started_at = NULL, claimed_at = NULL, last_error = %(error)s,
-    lost_attempts = 0, maybe_applied = maybe_applied OR %(maybe_applied)s
+    last_traceback = %(traceback)s, lost_attempts = 0,
+    maybe_applied = maybe_applied OR %(maybe_applied)s
 WHERE id = %(id)s AND claim_token = %(token)s
   AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
 RETURNING id;
 
 -- name: settle_park
 UPDATE __SCHEMA__.outbox SET parked_at = now(), claim_token = NULL, started_at = NULL,
-    claimed_at = NULL, last_error = %(error)s
+    claimed_at = NULL, last_error = %(error)s, last_traceback = %(traceback)s
 WHERE id = %(id)s AND claim_token = %(token)s
   AND NOT EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = %(id)s)
 RETURNING id;

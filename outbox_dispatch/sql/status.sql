@@ -68,7 +68,7 @@ FROM __SCHEMA__.outbox WHERE id = %(id)s;
 -- An operator's search: a row id, or an exact actor or dedupe key (the actor through its
 -- per-family index). A row blocked behind its actor's head is due at 'infinity': NULL here.
 SELECT id, family, command, actor, dedupe_key, payload, attempts, lost_attempts, last_error,
-    maybe_applied, NULLIF(due_at, 'infinity') AS due_at, claim_token IS NOT NULL AS claimed,
+    last_traceback, maybe_applied, NULLIF(due_at, 'infinity') AS due_at, claim_token IS NOT NULL AS claimed,
     claimed_at, started_at, created_at, parked_at, cancelled_at, cancel_reason, cancelled_by,
     done_at, waiting, blocked, progress
 FROM __SCHEMA__.outbox
@@ -81,3 +81,53 @@ LIMIT %(limit)s;
 -- name: status_row_command
 -- The command of the row a task call's dedupe key found (it must be the task's own).
 SELECT command FROM __SCHEMA__.outbox WHERE id = %(id)s;
+
+-- name: status_pause
+-- Pause a family (again: the reason and who are updated, the time kept).
+INSERT INTO __SCHEMA__.outbox_paused (family, reason, paused_by)
+VALUES (%(family)s, %(reason)s, %(by)s)
+ON CONFLICT (family) DO UPDATE SET reason = EXCLUDED.reason, paused_by = EXCLUDED.paused_by
+RETURNING family;
+
+-- name: status_resume
+DELETE FROM __SCHEMA__.outbox_paused WHERE family = %(family)s RETURNING family;
+
+-- name: status_paused
+SELECT family, paused_at, reason, paused_by FROM __SCHEMA__.outbox_paused ORDER BY family;
+
+-- name: audit_write
+INSERT INTO __SCHEMA__.outbox_audit (by, action, selection, rows, reason)
+VALUES (%(by)s, %(action)s, %(selection)s::jsonb, %(rows)s, %(reason)s);
+
+-- name: audit_list
+SELECT id, at, by, action, selection, rows, reason FROM __SCHEMA__.outbox_audit
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: status_matching
+-- An operator's bulk selection, one batch at a time in id order: parked rows (retry, purge) or
+-- pending ones (cancel) of a family, command, actor, error text and age.
+SELECT id, family, command, actor, last_error, coalesce(parked_at, created_at) AS since
+FROM __SCHEMA__.outbox
+WHERE CASE WHEN %(parked)s THEN parked_at IS NOT NULL
+           ELSE parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL END
+  AND (%(family)s::text IS NULL OR family = %(family)s)
+  AND (%(command)s::text IS NULL OR command = %(command)s)
+  AND (%(actor)s::text IS NULL OR actor = %(actor)s)
+  AND (%(error)s::text IS NULL OR last_error ILIKE '%%' || %(error)s || '%%')
+  AND (%(older)s::float8 IS NULL
+       OR coalesce(parked_at, created_at) < now() - make_interval(secs => %(older)s))
+  AND id > %(after)s
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: status_matching_count
+SELECT count(*) FROM __SCHEMA__.outbox
+WHERE CASE WHEN %(parked)s THEN parked_at IS NOT NULL
+           ELSE parked_at IS NULL AND cancelled_at IS NULL AND done_at IS NULL END
+  AND (%(family)s::text IS NULL OR family = %(family)s)
+  AND (%(command)s::text IS NULL OR command = %(command)s)
+  AND (%(actor)s::text IS NULL OR actor = %(actor)s)
+  AND (%(error)s::text IS NULL OR last_error ILIKE '%%' || %(error)s || '%%')
+  AND (%(older)s::float8 IS NULL
+       OR coalesce(parked_at, created_at) < now() - make_interval(secs => %(older)s));

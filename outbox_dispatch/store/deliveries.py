@@ -119,12 +119,13 @@ class DeliveryQueries(StoreBase):
         conn: Conn | None = None,
         or_cancel: bool = True,
         maybe_applied: bool = False,
+        traceback: str | None = None,
     ) -> SettleKind | None:
         """Settle fenced by the token; returns the settle applied (``kind``, or "cancel" when a
         cancel request was pending), or None when another claim owns the row now (or, with
         ``or_cancel=False``, a cancel request is pending). ``maybe_applied`` (retry): the next
         attempt is told this one's effects are unknown."""
-        params = _settle_params(row_id, token, delay, error, maybe_applied)
+        params = _settle_params(row_id, token, delay, error, maybe_applied, traceback)
         with translated(f"settle ({kind})"):
             if conn is not None:
                 return self._settle_on(conn, kind, params, or_cancel)
@@ -157,10 +158,11 @@ class DeliveryQueries(StoreBase):
         conn: Conn | None = None,
         or_cancel: bool = True,
         maybe_applied: bool = False,
+        traceback: str | None = None,
     ) -> SettleKind | None:
         """Settle the head of an ordered actor and, when it leaves the line, promote the next
         row, under the actor's lock (a producer enqueueing now waits, then sees the change)."""
-        params = _settle_params(row_id, token, delay, error, maybe_applied)
+        params = _settle_params(row_id, token, delay, error, maybe_applied, traceback)
         with translated(f"settle ({kind})"):
             line = (family, actor, parked_blocks, or_cancel)
             if conn is not None:
@@ -206,7 +208,12 @@ class DeliveryQueries(StoreBase):
 
 
 def _settle_params(
-    row_id: int, token: UUID, delay: float, error: str | None, maybe_applied: bool
+    row_id: int,
+    token: UUID,
+    delay: float,
+    error: str | None,
+    maybe_applied: bool,
+    traceback: str | None,
 ) -> dict[str, Any]:
     return {
         "id": row_id,
@@ -214,6 +221,7 @@ def _settle_params(
         "delay": delay,
         "error": error,
         "maybe_applied": maybe_applied,
+        "traceback": traceback,
     }
 
 

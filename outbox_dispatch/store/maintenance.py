@@ -20,12 +20,16 @@ log = logging.getLogger(__name__)
 
 
 RUN_STATS_KEPT = 3600.0  # seconds a quiet process's run-time report is kept
+AUDIT_KEPT = 90 * 86400.0  # seconds an operator action stays in the audit log, by default
 
 
 class Maintenance:
-    def __init__(self, store: Store, families: Mapping[str, Family]) -> None:
+    def __init__(
+        self, store: Store, families: Mapping[str, Family], audit_retention: float = AUDIT_KEPT
+    ) -> None:
         self.store = store
         self.families = families
+        self.audit_retention = audit_retention
 
     def prune(
         self,
@@ -58,9 +62,14 @@ class Maintenance:
         try:
             self.store.prune_cancel_requests()
             self.store.prune_run_stats(RUN_STATS_KEPT)
+            for _ in range(max_batches):  # the audit log, batch by batch
+                if self.store.prune_audit(self.audit_retention, size) < size:
+                    break
         except OutboxError as exc:
-            failed.append("cancel requests")
-            event(log, logging.ERROR, "maintenance_failed", f"cancel request cleanup: {exc}")
+            failed.append("cancel requests and audit log")
+            event(
+                log, logging.ERROR, "maintenance_failed", f"cancel request or audit cleanup: {exc}"
+            )
         if failed:
             raise MaintenanceFailed(
                 f"maintenance failed for {', '.join(failed)} (the others were done): see the "

@@ -3,12 +3,13 @@ rows found by id, actor or dedupe key, and a row's state."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from psycopg.rows import dict_row
 
-from outbox_dispatch.core.rows import FamilyStatus
+from outbox_dispatch.core.rows import FamilyStatus, RowFilter
 from outbox_dispatch.store.connections import StoreBase, translated
 from outbox_dispatch.store.ordered import actor_lock
 
@@ -129,3 +130,61 @@ class StatusQueries(StoreBase):
             return None
         parked, cancelled, done = row
         return "parked" if parked else "cancelled" if cancelled else "done" if done else "live"
+
+    def pause(self, family: str, reason: str | None, by: str | None) -> None:
+        with translated("pause"), self._starting() as conn:
+            conn.execute(self.q["status_pause"], {"family": family, "reason": reason, "by": by})
+
+    def resume(self, family: str) -> bool:
+        """False when the family was not paused."""
+        with translated("resume"), self._starting() as conn:
+            return conn.execute(self.q["status_resume"], {"family": family}).fetchone() is not None
+
+    def paused(self) -> list[dict[str, Any]]:
+        """Paused families with when, why and by whom."""
+        with (
+            translated("paused"),
+            self._starting() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(self.q["status_paused"]).fetchall())
+
+    def audit(
+        self, by: str, action: str, selection: Mapping[str, Any], rows: int, reason: str | None
+    ) -> None:
+        """One operator action in the audit log."""
+        params = {
+            "by": by,
+            "action": action,
+            "selection": json.dumps(selection, default=str),
+            "rows": rows,
+            "reason": reason,
+        }
+        with translated("audit"), self._starting() as conn:
+            conn.execute(self.q["audit_write"], params)
+
+    def audit_list(self, limit: int) -> list[dict[str, Any]]:
+        """The latest operator actions, newest first."""
+        with (
+            translated("audit"),
+            self._starting() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(self.q["audit_list"], {"limit": limit}).fetchall())
+
+    def matching(
+        self, where: RowFilter, *, parked: bool, after: int = 0, limit: int = 500
+    ) -> list[dict[str, Any]]:
+        """One batch of the rows an operator's filter selects, in id order after ``after``."""
+        params = {**where.params(parked), "after": after, "limit": limit}
+        with (
+            translated("select rows"),
+            self._starting() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(self.q["status_matching"], params).fetchall())
+
+    def matching_count(self, where: RowFilter, *, parked: bool) -> int:
+        with translated("count rows"), self._starting() as conn:
+            row = conn.execute(self.q["status_matching_count"], where.params(parked)).fetchone()
+        return int(row[0]) if row else 0

@@ -41,3 +41,9 @@ class UpkeepQueries(StoreBase):
     def prune_cancel_requests(self) -> int:
         with translated("prune"), self._starting() as conn:
             return len(conn.execute(self.q["maintenance_prune_cancel_requests"]).fetchall())
+
+    def prune_audit(self, retention: float, batch: int) -> int:
+        """One batch of the audit log past ``retention`` seconds; how many rows went."""
+        params = {"retention": retention, "batch": batch}
+        with translated("prune"), self._starting() as conn:
+            return len(conn.execute(self.q["maintenance_prune_audit"], params).fetchall())

@@ -21,6 +21,7 @@ class Result:
     row_id: int | None
     detail: str = ""  # the error of a retried or parked attempt, why a message was stale
     due_in: float | None = None  # retried: seconds until the row is due again
+    traceback: str = ""  # retried or parked: where the handler failed
 
 
 def parse_message(args: tuple[Any, ...]) -> tuple[int, UUID] | None:
@@ -52,6 +53,31 @@ def parse_batch(args: tuple[Any, ...]) -> list[tuple[int, UUID]] | None:
             return None
         pairs.append(pair)
     return pairs
+
+
+MAX_TRACEBACK = 8192  # characters of a failed attempt's traceback kept on its row
+
+
+def describe_traceback(exc: BaseException) -> str:
+    """Where a handler failed: the exception's traceback as Python prints it, with database
+    URLs masked. Past MAX_TRACEBACK characters the innermost frames are kept (the handler's
+    own), the outer ones cut, and the exception's text shortened."""
+    text = "".join(traceback.format_exception(exc)).rstrip()
+    if len(text) <= MAX_TRACEBACK:
+        return mask_dsn(text)
+    last = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()[:1000]
+    frames = traceback.format_tb(exc.__traceback__)
+    kept: list[str] = []
+    room = MAX_TRACEBACK - len(last) - 100
+    for frame in reversed(frames):
+        if len(frame) > room:
+            break
+        kept.insert(0, frame)
+        room -= len(frame)
+    cut = len(frames) - len(kept)
+    head = "Traceback (most recent call last):\n"
+    head += f"  ...({cut} outer frames cut)\n" if cut else ""
+    return mask_dsn(head + "".join(kept) + last)[:MAX_TRACEBACK]
 
 
 def describe_error(exc: BaseException) -> str:

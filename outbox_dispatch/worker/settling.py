@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from outbox_dispatch.core.errors import PermanentFailure, RetryLater
@@ -26,7 +27,12 @@ from outbox_dispatch.core.settle import (
 from outbox_dispatch.store import Store
 from outbox_dispatch.store.pool import Conn
 from outbox_dispatch.worker.heartbeat import Running
-from outbox_dispatch.worker.messages import Result, describe_error, row_fields
+from outbox_dispatch.worker.messages import (
+    Result,
+    describe_error,
+    describe_traceback,
+    row_fields,
+)
 from outbox_dispatch.worker.slots import CapSlots
 
 log = logging.getLogger(__name__)
@@ -69,7 +75,9 @@ class Settler:
         the row's cap slot back afterwards (not when it went back as its handler returned)."""
         applied = self.settle(settle, started, family, release=release)
         due_in = settle.delay if applied is SettleKind.RETRY else None
-        result = Result(outcome(applied), started.id, settle.error or "", due_in)
+        result = Result(
+            outcome(applied), started.id, settle.error or "", due_in, settle.traceback or ""
+        )
         report(started, result, settle, elapsed)
         return result
 
@@ -91,6 +99,7 @@ class Settler:
             "conn": conn,
             "or_cancel": or_cancel,
             "maybe_applied": settle.maybe_applied,
+            "traceback": settle.traceback,
         }
         if family is not None and family.ordered and started.actor is not None:
             applied = self.store.settle_in_line(
@@ -121,15 +130,16 @@ def after_exception(
 ) -> Settle:
     """A handler that raised: parked at once for PermanentFailure, else a failed attempt
     (the error says when it had been told to stop, or ran past its time limit)."""
+    where = describe_traceback(exc)
     if isinstance(exc, PermanentFailure):
-        return Settle(SettleKind.PARK, error=describe_error(exc))
+        return Settle(SettleKind.PARK, error=describe_error(exc), traceback=where)
     stop = running.stop_reason()
     if isinstance(exc, RetryLater) and stop is None:
-        return retry_asked(family, started.attempts, exc.delay, str(exc))
+        return retry_asked(family, started.attempts, exc.delay, str(exc))  # asked: no failure
     if type(exc).__name__ == "SoftTimeLimitExceeded":  # billiard's, raised by prefork
         stop = StopReason.TIME_LIMIT
     error = stop_error(family, describe_error(exc), stop)
-    return after_failure(family, started.attempts, rand(), error)
+    return replace(after_failure(family, started.attempts, rand(), error), traceback=where)
 
 
 def never_awaited(returned: object) -> str:
@@ -156,7 +166,12 @@ def report(started: Started, result: Result, settle: Settle, elapsed: float) -> 
             message = f"handler failed, due again in {settle.delay:.1f} s: {settle.error}"
             event(log, logging.WARNING, "retried", message, **fields)
         case Outcome.PARKED:
-            message = f"row parked: {settle.error} (inspect with `outbox-dispatch parked list`)"
+            message = (
+                f"row parked: {settle.error} (inspect with "
+                f"`outbox-dispatch --app APP parked show {started.id}`)"
+            )
+            if settle.traceback:
+                message += "\n" + settle.traceback
             event(log, logging.ERROR, "parked", message, **fields)
         case Outcome.CANCELLED:
             event(log, logging.INFO, "cancelled", "row settled as cancelled", **fields)

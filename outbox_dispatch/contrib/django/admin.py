@@ -10,9 +10,9 @@ from django.contrib import admin, messages
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 
-from outbox_dispatch import operations
 from outbox_dispatch.contrib.django.apps import get_dispatcher
 from outbox_dispatch.contrib.django.models import STATES, OutboxRow, bind_schema, readable
+from outbox_dispatch.ops import actions as row_actions
 
 
 class StateFilter(admin.SimpleListFilter):  # type: ignore[misc]
@@ -32,7 +32,7 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     list_display = ("id", "family", "command", "actor", "state", "attempts", "due", "error")
     list_filter = ("family", StateFilter)
     search_fields = ("actor", "command", "dedupe_key")  # the search box; get_search_results
-    actions = ("retry_parked", "purge_parked", "cancel_rows")
+    actions = ("retry_parked", "purge_parked", "cancel_rows", "pause_families", "resume_families")
     list_per_page = 50
     show_full_result_count = False  # a count(*) of a large outbox on every page is slow
 
@@ -80,7 +80,7 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return obj is None and bool(super().has_change_permission(request, obj))
 
-    def _report(self, request: HttpRequest, done: operations.Done, verb: str) -> None:
+    def _report(self, request: HttpRequest, done: row_actions.Done, verb: str) -> None:
         rows = "1 row" if len(done.ids) == 1 else f"{len(done.ids)} rows"
         self.message_user(request, f"{rows} {verb}", messages.SUCCESS)
         for reason in done.reasons:
@@ -89,17 +89,19 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     @admin.action(description="Retry the selected parked rows", permissions=["change"])  # type: ignore[untyped-decorator]
     def retry_parked(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         ids = list(queryset.values_list("id", flat=True))
-        self._report(request, operations.retry_parked(get_dispatcher(), ids), "due again")
+        done = row_actions.retry_parked(get_dispatcher(), ids, by=f"django admin: {request.user}")
+        self._report(request, done, "due again")
 
     @admin.action(description="Purge the selected parked rows", permissions=["change"])  # type: ignore[untyped-decorator]
     def purge_parked(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         ids = list(queryset.values_list("id", flat=True))
-        self._report(request, operations.purge_parked(get_dispatcher(), ids), "purged")
+        done = row_actions.purge_parked(get_dispatcher(), ids, by=f"django admin: {request.user}")
+        self._report(request, done, "purged")
 
     @admin.action(description="Cancel the selected rows", permissions=["change"])  # type: ignore[untyped-decorator]
     def cancel_rows(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         ids = list(queryset.values_list("id", flat=True))
-        done = operations.cancel(
+        done = row_actions.cancel(
             get_dispatcher(),
             ids,
             reason="cancelled in the Django admin",
@@ -108,3 +110,23 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
         self._report(request, done, "cancelled")
         if done.requested:
             self.message_user(request, f"running, asked to stop: {done.requested}", messages.INFO)
+
+    @admin.action(description="Pause the families of the selected rows", permissions=["change"])  # type: ignore[untyped-decorator]
+    def pause_families(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        families = sorted(set(queryset.values_list("family", flat=True)))
+        dispatcher = get_dispatcher()
+        for family in families:
+            dispatcher.ops.pause(
+                family, reason="paused in the Django admin", by=f"django admin: {request.user}"
+            )
+        self.message_user(request, f"paused: {', '.join(families)}", messages.SUCCESS)
+
+    @admin.action(description="Resume the families of the selected rows", permissions=["change"])  # type: ignore[untyped-decorator]
+    def resume_families(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        families = sorted(set(queryset.values_list("family", flat=True)))
+        dispatcher = get_dispatcher()
+        who = f"django admin: {request.user}"
+        resumed = [f for f in families if dispatcher.ops.resume(f, by=who)]
+        self.message_user(
+            request, f"resumed: {', '.join(resumed) or 'none was paused'}", messages.SUCCESS
+        )

@@ -45,6 +45,7 @@ class OutboxRow(models.Model):  # type: ignore[misc]
     claimed_at = models.DateTimeField(null=True)
     started_at = models.DateTimeField(null=True)
     last_error = models.TextField(null=True)
+    last_traceback = models.TextField(null=True)  # the handler's, of the last failed attempt
     maybe_applied = models.BooleanField()
     progress = models.JSONField(null=True)
     waiting = models.BooleanField()

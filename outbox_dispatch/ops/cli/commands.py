@@ -12,10 +12,11 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from outbox_dispatch import operations
 from outbox_dispatch.core.errors import ConfigurationError, OutboxError
 from outbox_dispatch.core.logs import mask_dsn
+from outbox_dispatch.core.rows import RowFilter
 from outbox_dispatch.core.tables import pruning_progress, table
+from outbox_dispatch.ops import actions
 from outbox_dispatch.ops.appload import load_dispatcher
 from outbox_dispatch.store.migrations import migrate
 
@@ -136,10 +137,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     found = [{**dataclasses.asdict(s), "queued": queued.get(s.family)} for s in statuses]
     columns = ["database"] if dispatcher.several else []
     columns += ["family", "due", "scheduled", "in_flight", "queued", "parked", "cancelled", "done"]
-    columns += ["maybe_applied", "waiting", "blocked", "actors_at_cap"]
+    columns += ["maybe_applied", "waiting", "blocked", "actors_at_cap", "paused"]
     shown = [
         {
             **r,
+            "paused": "PAUSED" if r["paused"] else "",
             "queued": "-" if r["queued"] is None else r["queued"],
             "oldest_due_age": f"{r['oldest_due_age']:.1f}s",
         }
@@ -153,6 +155,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_parked(args: argparse.Namespace) -> int:
     dispatcher = _dispatcher(args)
+    if args.parked_cmd == "show":
+        row = dispatcher.ops.row(args.id, database=args.database)
+        if row is None:
+            _emit(args, None, f"no row {args.id}")
+            return 1
+        shown = {k: v for k, v in row.items() if k not in ("last_traceback", "payload")}
+        text = "\n".join(f"{k}: {v}" for k, v in shown.items() if v is not None)
+        text += f"\npayload: {json.dumps(row['payload'], default=str)}"
+        if row.get("last_traceback"):
+            text += f"\n\n{row['last_traceback']}"
+        _emit(args, row, text)
+        return 0
     if args.parked_cmd == "list":
         rows = dispatcher.ops.parked_list(
             family=args.family, limit=args.limit, database=args.database
@@ -167,13 +181,23 @@ def cmd_parked(args: argparse.Namespace) -> int:
         _emit(args, rows, text)
         return 1 if unknown and not rows else 0
     ids = args.ids or None
+    where = RowFilter(args.family, args.command_name, args.actor, args.error, args.older_than)
+    if not ids and (args.all or where != RowFilter(args.family) or args.dry_run):
+        return _bulk(args, dispatcher, args.parked_cmd, where)
     if not ids and not args.all:
-        raise OutboxError(f"parked {args.parked_cmd}: name row ids, or pass --all")
+        raise OutboxError(
+            f"parked {args.parked_cmd}: name row ids, a selection (--family, --command, "
+            "--actor, --error, --older-than), or pass --all"
+        )
     if args.parked_cmd == "retry":
-        done = operations.retry_parked(dispatcher, ids, args.family, args.database)
+        done = actions.retry_parked(
+            dispatcher, ids, args.family, args.database, by=_by(args), reason=args.reason
+        )
         verb = "due again (attempts reset)"
     else:
-        done = operations.purge_parked(dispatcher, ids, args.family, args.database)
+        done = actions.purge_parked(
+            dispatcher, ids, args.family, args.database, by=_by(args), reason=args.reason
+        )
         verb = "deleted"
     missing = sorted(set(ids or []) - set(done.ids))
     text = "; ".join([f"{_rows_text(len(done.ids))} {verb}", *done.reasons])
@@ -183,16 +207,19 @@ def cmd_parked(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     dispatcher = _dispatcher(args)
+    if not args.ids and not args.dedupe_key and (args.family or args.older_than or args.dry_run):
+        where = RowFilter(args.family, args.command_name, args.actor, None, args.older_than)
+        return _bulk(args, dispatcher, "cancel", where)
     if not args.ids and not args.dedupe_key and not args.actor:
         raise OutboxError("cancel: name row ids, --dedupe-key, or --actor (with --command)")
-    done = operations.cancel(
+    done = actions.cancel(
         dispatcher,
         args.ids or None,
         dedupe_key=args.dedupe_key,
         actor=args.actor,
         command=args.command_name,
         reason=args.reason,
-        by=args.by or os.environ.get("USER") or "outbox-dispatch cli",
+        by=_by(args),
         database=args.database,
     )
     text = f"{_rows_text(len(done.ids))} cancelled"
@@ -202,6 +229,32 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     data = {"cancelled": done.ids, "requested": done.requested, "reasons": done.reasons}
     _emit(args, data, text)
     return 1 if done.missed else 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    dispatcher = _dispatcher(args)
+    if args.cmd == "pause":
+        dispatcher.ops.pause(args.family, reason=args.reason, by=_by(args), database=args.database)
+        text = f"family {args.family!r} paused: its due rows wait until `resume {args.family}`"
+        _emit(args, {"paused": args.family}, text)
+        return 0
+    resumed = dispatcher.ops.resume(args.family, by=_by(args), database=args.database)
+    text = f"family {args.family!r} " + ("resumed" if resumed else "was not paused")
+    _emit(args, {"resumed": args.family if resumed else None}, text)
+    return 0 if resumed else 1
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    dispatcher = _dispatcher(args)
+    rows = dispatcher.ops.audit_log(limit=args.limit, database=args.database)
+    shown = [
+        {**r, "at": r["at"].isoformat(timespec="seconds"), "selection": json.dumps(r["selection"])}
+        for r in rows
+    ]
+    columns = ["database"] if dispatcher.several else []
+    columns += ["at", "by", "action", "rows", "selection", "reason"]
+    _emit(args, rows, table(shown, columns) if rows else "no operator actions recorded")
+    return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -234,9 +287,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     until interrupted."""
     import time
 
-    from outbox_dispatch.observe.metrics import serve
+    from outbox_dispatch.observe.metrics import ADDR_ENV, serve
 
     dispatcher = _dispatcher(args)
+    args.addr = args.addr or os.environ.get(ADDR_ENV) or "127.0.0.1"
     try:
         server = serve(dispatcher, args.port, args.addr)
     except OSError as exc:
@@ -256,6 +310,8 @@ def cmd_web(args: argparse.Namespace) -> int:
     from outbox_dispatch.ops.web import WebApp, parse_credentials, serve
 
     user, password = parse_credentials(args.auth or os.environ.get("OUTBOX_WEB_AUTH"))
+    viewer_text = args.viewer_auth or os.environ.get("OUTBOX_WEB_VIEWER_AUTH")
+    viewer = parse_credentials(viewer_text) if viewer_text else None
     dispatcher = _dispatcher(args)
 
     def ready() -> None:  # said once it listens, not before a bind that fails
@@ -263,7 +319,8 @@ def cmd_web(args: argparse.Namespace) -> int:
 
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            serve(WebApp(dispatcher, user=user, password=password), args.addr, args.port, ready)
+            app = WebApp(dispatcher, user=user, password=password, viewer=viewer)
+            serve(app, args.addr, args.port, ready)
     except OSError as exc:
         raise _cannot_listen(args, exc) from exc
     return 0
@@ -285,6 +342,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         external=args.external,
         events=args.events,
+        force=args.force,
     )
 
 
@@ -302,3 +360,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     extra = ["--json"] if args.json else []
     return subprocess.call([sys.executable, "-m", "bench.run", *args.bench_args, *extra])
+
+
+def _by(args: argparse.Namespace) -> str:
+    """Who acts, for the audit log: ``--by``, else the OS user, marked as the CLI."""
+    return getattr(args, "by", None) or f"{os.environ.get('USER') or 'unknown'} (cli)"
+
+
+def _bulk(args: argparse.Namespace, dispatcher: Any, action: str, where: RowFilter) -> int:
+    """A retry, purge or cancel of every row a selection matches, in batches, with progress;
+    ``--dry-run`` counts and shows a sample."""
+    verb = {"retry": "due again", "purge": "deleted", "cancel": "cancelled"}[action]
+    kw: dict[str, Any] = {"by": _by(args), "reason": args.reason, "database": args.database}
+    if args.dry_run:
+        found = actions.bulk(dispatcher, action, where, dry_run=True, **kw)
+        if not found.count:
+            _emit(args, {"count": 0, "sample": []}, "no row matches this selection")
+            return 1
+        sample = table(found.sample, ["id", "family", "command", "actor", "last_error"])
+        text = f"{_rows_text(found.count)} would be {verb} ({action}); a sample:\n{sample}"
+        _emit(args, {"count": found.count, "sample": found.sample}, text)
+        return 0
+
+    def progress(done: int, count: int) -> None:
+        if not args.json:
+            print(f"{action}: {done}/{count}", file=sys.stderr)
+
+    found = actions.bulk(dispatcher, action, where, progress=progress, **kw)
+    if not found.count:
+        _emit(args, {"count": 0, "done": 0, "requested": 0}, "no row matches this selection")
+        return 1
+    text = f"{_rows_text(found.done)} {verb}"
+    if found.requested:
+        text += f"; {_rows_text(found.requested)} running asked to stop"
+    data = {"count": found.count, "done": found.done, "requested": found.requested}
+    _emit(args, data, text)
+    return 0
