@@ -1,0 +1,1 @@
+"""A small FastAPI shop: an order and its confirmation commit together, on async SQLAlchemy."""
