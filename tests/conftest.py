@@ -1,5 +1,7 @@
 """Shared fixtures: one fresh Postgres schema and one Redis key prefix per test session, so
-runs never see each other's rows or messages."""
+runs never see each other's rows or messages. The in-process fixtures (tests/fixtures/inprocess.py)
+and the process fixtures (tests/fixtures/processes.py) are plugins, loaded here for every
+folder."""
 
 from __future__ import annotations
 
@@ -12,6 +14,12 @@ import pytest
 import redis
 
 from outbox_dispatch.store.migrations import migrate
+
+# helpers outside the test modules (tests/support/, the model's machine and invariants) get
+# pytest's assertion messages too; registered before anything imports them
+pytest.register_assert_rewrite("tests.support", "tests.model")
+
+pytest_plugins = ["tests.fixtures.inprocess", "tests.fixtures.processes"]
 
 DATABASE_URL = os.environ.get(
     "OUTBOX_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"

@@ -252,3 +252,54 @@ def test_what_the_outbox_cannot_write_through_is_refused_and_nothing_is_written(
                     dispatcher.enqueue(aconn, cmd, {})  # type: ignore[arg-type]
 
         asyncio.run(async_to_sync())
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg async", "sqlalchemy async+asyncpg"])
+def test_task_calls_in_async_code_commit_and_roll_back_with_the_transaction(
+    driver: str, dispatcher: Dispatcher, task: Any, database_url: str
+) -> None:
+    async def call_in(commit: bool) -> int:
+        if driver == "asyncpg":
+            conn = await asyncpg.connect(database_url)
+            tx = conn.transaction()
+            await tx.start()
+            async with using(conn):
+                row_id = (await task.adelay()).row_id
+            await (tx.commit() if commit else tx.rollback())
+            await conn.close()
+        elif driver == "psycopg async":
+            async with await psycopg.AsyncConnection.connect(database_url) as aconn:
+                async with using(aconn):
+                    row_id = (await task.aapply_async((), {}, countdown=0)).row_id
+                await (aconn.commit() if commit else aconn.rollback())
+        else:
+            from sqlalchemy.ext.asyncio import AsyncSession
+
+            engine = create_async_engine(_sa_url(database_url, "asyncpg"))
+            async with AsyncSession(engine) as session:
+                async with using(session):
+                    row_id = (await task.adelay()).row_id
+                await (session.commit() if commit else session.rollback())
+            await engine.dispose()
+        return int(row_id)
+
+    kept, dropped = asyncio.run(call_in(True)), asyncio.run(call_in(False))
+    assert count_rows(database_url, dispatcher.schema, f"id = {kept}") == 1
+    assert count_rows(database_url, dispatcher.schema, f"id = {dropped}") == 0
+
+
+def test_a_sync_call_under_an_async_binding_or_an_async_call_without_one_is_refused(
+    task: Any, database_url: str
+) -> None:
+    async def attempt() -> None:
+        aconn = await asyncpg.connect(database_url)
+        try:
+            async with aconn.transaction(), using(aconn):
+                with pytest.raises(InvalidArgument, match=r"await task\.adelay"):
+                    task.delay()
+        finally:
+            await aconn.close()
+        with pytest.raises(Exception, match=r"async with outbox_dispatch\.using"):
+            await task.adelay()
+
+    asyncio.run(attempt())

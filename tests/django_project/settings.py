@@ -60,3 +60,12 @@ OUTBOX_DISPATCHER = "tests.django_project.outbox:dispatcher"
 USE_TZ = True
 TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# Django's tasks framework on the outbox (tests/adoption/test_django_tasks.py): the default
+# queue's rows in family "django_tasks", and a second queue, "emails"
+TASKS = {
+    "default": {
+        "BACKEND": "outbox_dispatch.contrib.django.tasks.OutboxBackend",
+        "QUEUES": ["default", "emails"],
+        "OPTIONS": {"FAMILY": "django_tasks"},
+    }
+}

@@ -1,8 +1,0 @@
-"""A module the CLI can load with ``--app tests.integration.app_ref:dispatcher``; tests set
-``dispatcher`` to the session's dispatcher."""
-
-from __future__ import annotations
-
-from outbox_dispatch import Dispatcher
-
-dispatcher: Dispatcher | None = None
