@@ -1,1 +1,1 @@
-"""The README quickstart, as a project (tests/acceptance/test_readme.py runs it)."""
+"""The README quickstart, as a project (tests/adoption/test_readme.py runs it)."""
