@@ -13,7 +13,8 @@ from outbox_dispatch.core.errors import InvalidArgument, UnknownFamily
 from outbox_dispatch.core.validation import Message, PreparedRow, prepare
 from outbox_dispatch.databases import Database, pick
 from outbox_dispatch.observe import tracing
-from outbox_dispatch.store.callers import AsyncCaller, Caller, Steps, async_caller, sync_caller
+from outbox_dispatch.store.async_callers import AsyncCaller, async_caller
+from outbox_dispatch.store.callers import Caller, Steps, sync_caller
 
 if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher

@@ -36,7 +36,8 @@ from outbox_dispatch.core.errors import (
     UnknownFamily,
 )
 from outbox_dispatch.observe import tracing
-from outbox_dispatch.store.callers import Steps, async_caller, sync_caller
+from outbox_dispatch.store.async_callers import async_caller
+from outbox_dispatch.store.callers import Steps, sync_caller
 
 if TYPE_CHECKING:
     from outbox_dispatch.core.validation import PreparedRow

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from outbox_dispatch.core.errors import OutsideTransaction
 from outbox_dispatch.core.logs import event
 from outbox_dispatch.store.adapters import database_target, django_target
-from outbox_dispatch.store.callers import Target, async_caller, sync_caller
+from outbox_dispatch.store.async_callers import async_caller
+from outbox_dispatch.store.callers import Target, sync_caller
 
 if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher

@@ -139,3 +139,13 @@ def test_the_core_never_imports_contrib() -> None:
         if dep.startswith(contrib)
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_package_module_is_over_450_lines() -> None:
+    """A module a newcomer reads in one sitting: a longer one is split by concern."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in ROOT.rglob("*.py")
+        if (n := len(path.read_text("utf-8").splitlines())) > 450
+    }
+    assert not long, f"split these modules by concern: {long}"

@@ -1,35 +1,11 @@
-"""Django's tasks framework (DEP 0014) on the outbox: with
-
-```python
-TASKS = {"default": {"BACKEND": "outbox_dispatch.contrib.django.tasks.OutboxBackend"}}
-```
-
-a ``@task`` function's ``.enqueue()`` (or ``.aenqueue()``) writes an outbox row on Django's
-connection, in its current transaction, and the Celery workers of the ``OUTBOX_DISPATCHER``
-Dispatcher run the function. ``django.tasks`` (Django 6) is used when it is there, else the
-``django-tasks`` backport, which has the same API.
-
-How a task maps onto a row: the task's module path (``shop.tasks.send_receipt``) is the
-command; the call's args and kwargs are the payload (``{"args": [...], "kwargs": {...}}``,
-JSON as the framework already requires); ``run_after`` is the row's due time; the queue names
-the family (the ``default`` queue the family in ``OPTIONS["FAMILY"]``, else the Dispatcher's
-``task_family``; any other queue the family of its name, which the Dispatcher must declare).
-The TaskResult's id is ``outbox:<row id>`` (``outbox:<database>:<row id>`` when the
-Dispatcher's databases are named), the same one the worker's ``TaskContext`` sees.
-
-What does not map is refused, with the framework's ``InvalidTask`` as a base: a priority other
-than the default (``supports_priority = False``: the outbox runs due rows in due order), a
-queue that names no declared family (``UnknownQueue``), and results (``supports_get_result =
-False``: ``get_result`` raises ``ResultsNotKept``; the outbox keeps the call, not what it
-returned). Outside a transaction ``enqueue`` raises ``NotInTransaction``, as
-``outbox_dispatch.contrib.django.enqueue`` does, unless ``OPTIONS["ALLOW_AUTOCOMMIT"]``.
-
-The run side: ``serve(dispatcher)`` lets the Dispatcher find a Django task by the command of
-its rows (``Registry.add_resolver``): the handler imports the task from its module path and
-runs it as the framework does (``task.call``, with a ``TaskContext`` when it takes one). The
-backend serves the Dispatcher at each enqueue and when Django's system checks run, which
-Celery's Django fixup does as a worker starts; a worker that skips them (``CELERY_SKIP_CHECKS``)
-calls ``serve(dispatcher)`` itself.
+"""Django's tasks framework (DEP 0014) on the outbox: with ``TASKS = {"default": {"BACKEND":
+"outbox_dispatch.contrib.django.tasks.OutboxBackend"}}`` a ``@task`` function's ``.enqueue()``
+(or ``.aenqueue()``) writes an outbox row on Django's connection, in its current transaction,
+and the Celery workers run the function. ``django.tasks`` (Django 6) is used when it is there,
+else the ``django-tasks`` backport. docs/django.md says how a task maps onto a row (the module
+path is the command, the queue the family, ``run_after`` the due time) and what is refused
+(priorities, undeclared queues, results, a call outside a transaction). ``serve(dispatcher)``
+lets the worker's Dispatcher find a task by its rows' command.
 """
 
 from __future__ import annotations
