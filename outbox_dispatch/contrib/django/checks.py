@@ -76,20 +76,9 @@ def database_problems(
             CheckWarning(
                 f"database {alias!r} is {vendor}: the outbox lives in PostgreSQL, so enqueue on "
                 "this connection is refused",
-                hint="Use django.db.backends.postgresql (with psycopg 3) for the database "
+                hint="Use django.db.backends.postgresql (psycopg 3 or psycopg2) for the database "
                 "that holds the models you enqueue with.",
                 id="outbox_dispatch.W002",
-            )
-        ]
-    from django.db.backends.postgresql.psycopg_any import is_psycopg3
-
-    if not is_psycopg3:
-        return [
-            CheckWarning(
-                f"database {alias!r} runs on psycopg2: outbox_dispatch enqueues through "
-                "psycopg 3 only",
-                hint="pip install 'psycopg[binary]' (Django >= 4.2 prefers it when installed).",
-                id="outbox_dispatch.W003",
             )
         ]
     if database_url is None:
