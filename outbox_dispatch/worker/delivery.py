@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 from uuid import UUID
 
@@ -315,11 +316,13 @@ class Delivery:
             hard = max(hard, renew_until)
         if stop_at is not None:
             soft = stop_at if soft is None else min(soft, stop_at)
+        renew = self.slots.renewer(started, family, held)
         running = Running(
             ctx=ctx,
             token=started.token,
             run_lease=family.heartbeat_timeout,
-            renew_slot=self.slots.renewer(started, family, held),
+            renew_slot=renew,
+            release_slot=None if renew is None else partial(self.slots.release, started, family),
             next_at=time.monotonic() + family.heartbeat_timeout / 3,
             soft_deadline=soft,
             deadline=hard,

@@ -52,6 +52,9 @@ class Running:
     holds: bool = True  # False once the lease is not renewed any more (lost, lapsed, overrun)
     soft_deadline: float | None = None  # monotonic: past it the handler is told to stop
     deadline: float | None = None  # monotonic: past it the lease is not renewed any more
+    # gives the cap slot back: called when a renewal finds the claim lost, since the slot was
+    # renewed just before (slots go first) and the row is the next claim's
+    release_slot: Callable[[], None] | None = None
 
     @property
     def key(self) -> Key:
@@ -155,8 +158,20 @@ class Heartbeats:
                 if e.ctx.row_id not in held:
                     if self.running(e.key) is e:  # not a settle that just finished
                         self._stop(e, StopReason.CLAIM_LOST, holds=False)
+                        self._give_back_slot(e)
                 elif held[e.ctx.row_id]:
                     self._stop(e, StopReason.CANCEL_REQUESTED)
+
+    def _give_back_slot(self, e: Running) -> None:
+        """A lost claim's cap slot, renewed a moment ago, goes back: otherwise the claim that
+        takes the row again sees a holder its heartbeat just renewed and keeps the slot for a
+        whole heartbeat timeout."""
+        if e.release_slot is None:
+            return
+        try:
+            e.release_slot()
+        except Exception as exc:  # Redis unreachable: the slot runs out on its own
+            event(log, logging.WARNING, "slot_release_failed", repr(exc), row_id=e.ctx.row_id)
 
     def _stop(self, e: Running, reason: StopReason, *, holds: bool = True) -> None:
         """Tell the handler to stop. Its return is judged by the first reason, except that

@@ -99,3 +99,25 @@ def test_replay_a_lost_start_keeps_its_renewed_slot(model_env: Env) -> None:
     state.claim(family="focus", fates=["ok"])  # claimed again, or waiting for the slot
     state.consistent()
     state.teardown()
+
+
+# A heartbeat renews a capped row's slot before its lease (so that the lease never outlives
+# the slot), and went on holding that slot after the renewal found the claim lost. The claim
+# that took the row again saw a holder its heartbeat had just renewed and kept the slot for a
+# whole heartbeat timeout: the actor had one slot fewer than its cap. Now the heartbeat gives
+# the slot back when it finds the claim lost.
+
+
+def test_replay_a_lost_claims_renewed_slot_goes_back(model_env: Env) -> None:
+    """test_model's failing example (found in CI on this round), step by step."""
+    state = ModelMachine()
+    state.seed(focus="mcapped", actors=["a"], then=["a"])
+    state.consistent()
+    state.work(fate="stall", i=0)
+    state.consistent()
+    state.world(op="+3")
+    state.consistent()
+    state.work(fate="beat", i=0)
+    state.consistent()
+    state.claim(family="focus", fates=["ok"])
+    state.teardown()
