@@ -150,9 +150,8 @@ class OutboxTask(Task):  # type: ignore[misc]
             tz=self.app.timezone,
         )
         family = task_family(dispatcher, self, call, args, kwargs)
-        d, trace = dispatcher, tracing.current_context_json()
-        fields = (self.name, call.payload, call.actor, call.dedupe_key, call.delay, call.at, family)
-        row = d.writer.row(*fields, trace_json=trace)
+        d = dispatcher
+        row = _row_of(d, self.name, call, family)
         caller = await async_caller(conn)
         db = await d.writer.adatabase(caller, bound_database())
         row_id = await caller.drive(_call_steps(d, db, row, self.name, call), "enqueue")
@@ -334,9 +333,7 @@ def write_call(
     """The row of a task call on the caller's connection; with ``conn=None``, in a transaction
     of its own, committed before this returns (``task_outside="commit"``)."""
     d = dispatcher
-    trace = tracing.current_context_json()
-    fields = (task, call.payload, call.actor, call.dedupe_key, call.delay, call.at, family)
-    row = d.writer.row(*fields, trace_json=trace)
+    row = _row_of(d, task, call, family)
     due_now = call.delay is None and call.at is None
     if conn is not None:
         caller = sync_caller(conn)
@@ -351,6 +348,12 @@ def write_call(
     if not d.settings.listen and due_now:
         d.runtime.request_claim(family)  # committed: the NOTIFY wakes only a listener
     return row_id
+
+
+def _row_of(d: Dispatcher, task: str, call: TaskCall, family: str) -> PreparedRow:
+    """A task call's row, validated, with the caller's trace context."""
+    fields = (task, call.payload, call.actor, call.dedupe_key, call.delay, call.at, family)
+    return d.writer.row(*fields, trace_json=tracing.current_context_json())
 
 
 def _call_steps(

@@ -65,10 +65,7 @@ def retry_parked(
     """Parked rows (``ids``, or all of ``family``, or all) due again with attempts reset; row
     ids are of ``database`` (required for ids when there are several). Audited (``record``)."""
     done = dispatcher.ops.parked_retry(ids=ids, family=family, database=database)
-    selection = {"ids": ids, "family": family}
-    if record:
-        dispatcher.ops.audit("retry", selection, len(done), by=by, reason=reason, database=database)
-    return Done(done, _misses(dispatcher, ids, done, "retry", database))
+    return _parked_done(dispatcher, "retry", done, ids, family, database, by, reason, record)
 
 
 def purge_parked(
@@ -84,10 +81,25 @@ def purge_parked(
     """Parked rows deleted; an ordered actor whose parked head is gone gets its next row.
     Audited (``record``)."""
     done = dispatcher.ops.parked_purge(ids=ids, family=family, database=database)
-    selection = {"ids": ids, "family": family}
+    return _parked_done(dispatcher, "purge", done, ids, family, database, by, reason, record)
+
+
+def _parked_done(
+    dispatcher: Dispatcher,
+    action: str,
+    done: list[int],
+    ids: list[int] | None,
+    family: str | None,
+    database: str | None,
+    by: str | None,
+    reason: str | None,
+    record: bool,
+) -> Done:
+    """A retry's or purge's audit row (unless ``record`` is off) and its explained result."""
     if record:
-        dispatcher.ops.audit("purge", selection, len(done), by=by, reason=reason, database=database)
-    return Done(done, _misses(dispatcher, ids, done, "purge", database))
+        selection = {"ids": ids, "family": family}
+        dispatcher.ops.audit(action, selection, len(done), by=by, reason=reason, database=database)
+    return Done(done, _misses(dispatcher, ids, done, action, database))
 
 
 def cancel(
@@ -192,12 +204,12 @@ def bulk(
     parked = action != "cancel"
     chosen = dispatcher.chosen_databases(database)
     count = sum(db.store.matching_count(where, parked=parked) for db in chosen)
-    sample = [
-        {"database": db.name, **row}
-        for db in chosen
-        for row in db.store.matching(where, parked=parked, limit=SAMPLE)
-    ][:SAMPLE]
     if dry_run:
+        sample = [
+            {"database": db.name, **row}
+            for db in chosen
+            for row in db.store.matching(where, parked=parked, limit=SAMPLE)
+        ][:SAMPLE]
         return Bulk(count, sample)
     done = requested = 0
     for db in chosen:
@@ -226,4 +238,4 @@ def bulk(
         reason=reason,
         database=database,
     )
-    return Bulk(count, sample, done, requested, dry_run=False)
+    return Bulk(count, [], done, requested, dry_run=False)

@@ -5,6 +5,7 @@ under SQLAlchemy's asyncio extension) await the same steps a sync Caller runs
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import cache
@@ -28,7 +29,7 @@ from outbox_dispatch.store.callers import (
 )
 
 
-class AsyncCaller:
+class AsyncCaller(ABC):
     """An async driver's connection, as the outbox writes on it."""
 
     driver = ""
@@ -48,14 +49,17 @@ class AsyncCaller:
                 except StopIteration as done:
                     return done.value  # type: ignore[no-any-return]
 
+    @abstractmethod
     async def run(self, step: Step) -> Any:
-        raise NotImplementedError
+        """One statement awaited on this driver, with its answer."""
 
+    @abstractmethod
     def scope(self) -> Any:
-        raise NotImplementedError
+        """Statements that belong together (an async context manager)."""
 
+    @abstractmethod
     async def target(self) -> Target | None:
-        raise NotImplementedError
+        """Where the connection goes (host, port, database)."""
 
 
 class AsyncPsycopg(AsyncCaller):

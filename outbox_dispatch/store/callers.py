@@ -9,6 +9,7 @@ a ``Caller`` runs them on one driver, an ``AsyncCaller`` awaits them on another.
 from __future__ import annotations
 
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ USE = (
 )
 
 
-class Caller:
+class Caller(ABC):
     """A sync driver's connection, as the outbox writes on it."""
 
     driver = ""
@@ -90,13 +91,14 @@ class Caller:
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
 
+    @abstractmethod
     def run(self, step: Step) -> Any:
-        raise NotImplementedError
+        """One statement on this driver, with its answer."""
 
+    @abstractmethod
     def joinable(self) -> bool:
         """Whether a row written here commits with a transaction of the caller's: one is open
         (whatever the autocommit flag says), or the driver opens one that the caller commits."""
-        raise NotImplementedError
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -104,8 +106,9 @@ class Caller:
         they run in it; on one in autocommit and outside any, in a transaction of their own."""
         yield
 
+    @abstractmethod
     def target(self) -> Target | None:
-        raise NotImplementedError
+        """Where the connection goes (host, port, database)."""
 
 
 class Psycopg(Caller):
