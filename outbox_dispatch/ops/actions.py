@@ -5,17 +5,20 @@ recorded in the audit log (Operations.audit)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from outbox_dispatch.core.errors import InvalidArgument
+from outbox_dispatch.core.errors import DatabaseError, InvalidArgument
+from outbox_dispatch.core.logs import mask_dsn
 from outbox_dispatch.core.rows import RowFilter
 from outbox_dispatch.operations import who
 
 if TYPE_CHECKING:
+    from outbox_dispatch.databases import Database
     from outbox_dispatch.dispatcher import Dispatcher
 
 
@@ -168,6 +171,21 @@ def _misses(
 
 BULK_ACTIONS = ("retry", "purge", "cancel")
 SAMPLE = 5  # rows a dry run shows
+REACH_TIMEOUT = 5  # seconds an interrupted bulk action tries to record what it did
+
+
+class BulkInterrupted(DatabaseError):
+    """A bulk action stopped part way: the database failed one of its batches. Every batch is
+    a transaction of its own, so each row was done whole or left as it was; ``done`` rows
+    (cancel: cancelled or asked to stop) of ``count`` were done, and running the same action
+    again does the rest."""
+
+    def __init__(self, action: str, done: int, count: int, cause: str) -> None:
+        self.action, self.done, self.count = action, done, count
+        super().__init__(
+            f"{action} stopped after {done} of {count} rows ({cause}); each batch is done "
+            "whole or not at all, so no row is half done: run it again to finish"
+        )
 
 
 @dataclass(frozen=True)
@@ -198,7 +216,10 @@ def bulk(
     in batches of ``batch`` rows, each in a short transaction of its own (so a million rows
     neither lock the table nor hold one long transaction); ``progress(done, count)`` after
     each. A dry run counts and shows a sample, and changes nothing. One audit row records
-    the whole action, with the filter."""
+    the whole action, with the filter. A database that fails a batch part way (it went away)
+    raises ``BulkInterrupted`` with how many rows were done: the batches before it are done
+    whole, the rest untouched, and the audit row (marked ``interrupted``, written when the
+    database still answers) counts them; the same call again does the rest."""
     if action not in BULK_ACTIONS:
         raise InvalidArgument(f"bulk action must be one of {BULK_ACTIONS}, got {action!r}")
     parked = action != "cancel"
@@ -212,30 +233,53 @@ def bulk(
         ][:SAMPLE]
         return Bulk(count, sample)
     done = requested = 0
-    for db in chosen:
-        after = 0
-        while True:
-            rows = db.store.matching(where, parked=parked, after=after, limit=batch)
-            if not rows:
-                break
-            ids = [int(r["id"]) for r in rows]
-            after = ids[-1]
-            kw: dict[str, Any] = {"by": by, "reason": reason, "record": False}
-            if action == "retry":
-                done += len(retry_parked(dispatcher, ids, None, db.name, **kw).ids)
-            elif action == "purge":
-                done += len(purge_parked(dispatcher, ids, None, db.name, **kw).ids)
-            else:
-                result = cancel(dispatcher, ids, database=db.name, **{**kw, "by": who(by)})
-                done, requested = done + len(result.ids), requested + len(result.requested)
-            if progress is not None:
-                progress(done + requested, count)
+    selection: dict[str, Any] = {"filter": where.shown()}
+    try:
+        for db in chosen:
+            after = 0
+            while True:
+                rows = db.store.matching(where, parked=parked, after=after, limit=batch)
+                if not rows:
+                    break
+                ids = [int(r["id"]) for r in rows]
+                after = ids[-1]
+                kw: dict[str, Any] = {"by": by, "reason": reason, "record": False}
+                if action == "retry":
+                    done += len(retry_parked(dispatcher, ids, None, db.name, **kw).ids)
+                elif action == "purge":
+                    done += len(purge_parked(dispatcher, ids, None, db.name, **kw).ids)
+                else:
+                    result = cancel(dispatcher, ids, database=db.name, **{**kw, "by": who(by)})
+                    done, requested = done + len(result.ids), requested + len(result.requested)
+                if progress is not None:
+                    progress(done + requested, count)
+    except (DatabaseError, psycopg.Error) as exc:
+        # the database went away (or failed a batch): what was done is recorded when it can
+        # still be reached, and the caller is told how far it got
+        why = mask_dsn(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+        if done + requested and _reachable(chosen):
+            with contextlib.suppress(DatabaseError, psycopg.Error):
+                dispatcher.ops.audit(
+                    action,
+                    {**selection, "interrupted": True},
+                    done + requested,
+                    by=by,
+                    reason=reason,
+                    database=database,
+                )
+        raise BulkInterrupted(action, done + requested, count, why) from exc
     dispatcher.ops.audit(
-        action,
-        {"filter": where.shown()},
-        done + requested,
-        by=by,
-        reason=reason,
-        database=database,
+        action, selection, done + requested, by=by, reason=reason, database=database
     )
     return Bulk(count, [], done, requested, dry_run=False)
+
+
+def _reachable(databases: list[Database]) -> bool:
+    """Whether every database answers a connection of its own within seconds (a pool would
+    wait its full timeout for a database that is down)."""
+    try:
+        for db in databases:
+            psycopg.connect(db.url, connect_timeout=REACH_TIMEOUT).close()
+    except psycopg.Error:
+        return False
+    return True

@@ -5,6 +5,11 @@ changes nothing; the whole action is one audit row."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -13,7 +18,7 @@ from outbox_dispatch import Dispatcher
 from outbox_dispatch.core.rows import RowFilter
 from outbox_dispatch.ops import actions
 from tests.conftest import count_rows
-from tests.fixtures.processes import cli
+from tests.fixtures.processes import ROOT, cli
 
 pytestmark = pytest.mark.usefixtures("clean")
 
@@ -101,3 +106,82 @@ def test_the_cli_previews_then_acts_on_a_selection(clean_acc: dict[str, str]) ->
     assert "purge: 4/4" in done.stderr
     bad = cli(env, "parked", "retry", "--older-than", "soon")
     assert bad.returncode == 2 and "not an age like 90s, 30m, 2h, 1d" in bad.stderr
+
+
+def test_a_bulk_retry_whose_database_goes_away_mid_way_stops_cleanly_and_a_rerun_finishes(
+    clean_acc: dict[str, str], tmp_path: Path
+) -> None:
+    """Terminate the CLI's backend while it waits in its third batch (another session holds
+    one of that batch's rows): it stops with how many rows it did, every row is retried whole
+    or still parked, and the same command run again retries the rest."""
+    env, schema = clean_acc, clean_acc["OUTBOX_TEST_SCHEMA"]
+    url = env["OUTBOX_TEST_DATABASE_URL"]
+    with psycopg.connect(url, autocommit=True) as conn:
+        ids = [
+            int(r[0])
+            for r in conn.execute(
+                f'INSERT INTO "{schema}".outbox (family, command, actor, payload, due_at,'
+                " created_at, parked_at, attempts, last_error) SELECT 'custom', 'acc.custom',"
+                " 'shop:' || n, '{}', '2000-01-01', now(), now(), 3, 'ConnectionError: down'"
+                " FROM generate_series(1, 3000) n RETURNING id"
+            ).fetchall()
+        ]
+    ids.sort()
+    command = ["parked", "retry", "--command", "acc.custom", "--by", "ops", "--reason", "up"]
+    with psycopg.connect(url) as locker, psycopg.connect(url, autocommit=True) as admin:
+        # a row of the third batch (batches of 500 in id order) held by another session
+        locker.execute(f'SELECT 1 FROM "{schema}".outbox WHERE id = %s FOR UPDATE', (ids[1200],))
+        err = (tmp_path / "bulk.err").open("w+")
+        run = subprocess.Popen(
+            [sys.executable, "-m", "outbox_dispatch.ops.cli", *command],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        try:
+            blocked = _blocked_behind(admin, locker.info.backend_pid, run)
+            admin.execute("SELECT pg_terminate_backend(%s)", (blocked,))
+            out, _ = run.communicate(timeout=60)
+        finally:
+            if run.poll() is None:
+                run.kill()
+            locker.rollback()
+        err.seek(0)
+        stderr = err.read()
+        err.close()
+    assert run.returncode == 2, (out, stderr)
+    assert "retry: 500/3000" in stderr and "retry: 1000/3000" in stderr
+    assert "retry stopped after 1000 of 3000 rows" in stderr
+    assert "terminating connection due to administrator command" in stderr
+    assert "no row is half done: run it again to finish" in stderr
+    assert "Traceback" not in stderr  # a clean stop, not a crash
+    # the two batches that committed are retried whole; the rest are untouched
+    first = ", ".join(map(str, ids[:1000]))
+    retried = "parked_at IS NULL AND attempts = 0 AND due_at > '2001-01-01'"
+    untouched = "parked_at IS NOT NULL AND attempts = 3 AND due_at = '2000-01-01'"
+    assert count_rows(url, schema, f"id IN ({first}) AND {retried}") == 1000
+    assert count_rows(url, schema, f"NOT id IN ({first}) AND {untouched}") == 2000
+    audit = json.loads(cli(env, "--json", "audit", "--limit", "1").stdout)
+    assert (audit[0]["action"], audit[0]["rows"], audit[0]["by"]) == ("retry", 1000, "ops")
+    assert audit[0]["selection"]["interrupted"] is True
+
+    again = cli(env, *command)
+    assert again.returncode == 0, again.stderr
+    assert "2000 rows due again" in again.stdout
+    assert count_rows(url, schema, retried) == 3000
+
+
+def _blocked_behind(admin: psycopg.Connection[Any], locker: int, run: subprocess.Popen[str]) -> int:
+    """The backend that waits for ``locker``'s row lock (the bulk's third batch)."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert run.poll() is None, "the bulk ended before it reached the locked row"
+        found = admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (locker,)
+        ).fetchone()
+        if found is not None:
+            return int(found[0])
+        assert time.monotonic() < deadline, "the bulk never waited for the locked row"
+        time.sleep(0.05)
