@@ -5,6 +5,10 @@ The CLI, status and the gauges say so."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -12,8 +16,9 @@ from celery import Celery
 
 from outbox_dispatch import Dispatcher, InvalidArgument
 from outbox_dispatch.observe.metrics import OutboxCollector
+from tests.conftest import count_rows
 from tests.fixtures.inprocess import dispatcher_under
-from tests.fixtures.processes import cli
+from tests.fixtures.processes import cli, worker_with_beat
 
 
 def _gauge(dispatcher: Dispatcher, family: str) -> float:
@@ -90,3 +95,64 @@ def test_pause_and_resume_from_the_cli(clean_acc: dict[str, str]) -> None:
     assert again.returncode == 1 and "was not paused" in again.stdout
     unknown = cli(env, "pause", "nope")
     assert unknown.returncode != 0 and "no family 'nope'" in unknown.stderr
+
+
+def test_a_paused_family_claims_nothing_for_10_s_while_another_runs_with_a_real_worker(
+    clean_acc: dict[str, str], spawn: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A worker and beat run; the ``custom`` family is paused from the CLI. For 10 s its rows
+    are never claimed (no claim token, no start, no handler run) while the ``intent`` family's
+    rows, enqueued in the same 10 s, are delivered; resumed, the paused rows are delivered."""
+    env, schema = clean_acc, clean_acc["OUTBOX_TEST_SCHEMA"]
+    url = env["OUTBOX_TEST_DATABASE_URL"]
+    worker = spawn(worker_with_beat("tests.apps.app", tmp_path), env, "worker")
+
+    def ran(command: str) -> int:
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+        with psycopg.connect(url) as conn:
+            found = conn.execute(
+                f'SELECT count(*) FROM "{schema}".effects WHERE command = %s', (command,)
+            ).fetchone()
+        return int(found[0]) if found else 0
+
+    def insert(family: str, command: str, n: int) -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(
+                f'INSERT INTO "{schema}".outbox (family, command, payload)'
+                " SELECT %s, %s, '{}' FROM generate_series(1, %s)",
+                (family, command, n),
+            )
+
+    insert("custom", "acc.custom", 1)  # the worker runs both families before the pause
+    _wait_for(lambda: ran("acc.custom") == 1, timeout=60)
+    paused = cli(env, "pause", "custom", "--reason", "partner API down", "--by", "ops")
+    assert paused.returncode == 0, paused.stderr
+
+    insert("custom", "acc.custom", 5)
+    waiting = "family = 'custom' AND done_at IS NULL"
+    window, polls = time.monotonic() + 10, 0
+    while time.monotonic() < window:  # the 10 s the issue asks for
+        if polls % 4 == 0:
+            insert("intent", "acc.email", 1)  # the other family's rows, all through the 10 s
+        assert count_rows(url, schema, f"{waiting} AND claim_token IS NULL") == 5
+        assert count_rows(url, schema, f"{waiting} AND started_at IS NULL") == 5
+        assert ran("acc.custom") == 1
+        polls += 1
+        time.sleep(0.5)
+    assert count_rows(url, schema, f"{waiting} AND claim_token IS NULL") == 5
+    assert ran("acc.custom") == 1
+    assert ran("acc.email") >= 3  # the other family's rows went out meanwhile
+    status = {s["family"]: s for s in json.loads(cli(env, "status", "--json").stdout)}
+    assert status["custom"]["paused"] and status["custom"]["due"] == 5
+
+    resumed = cli(env, "resume", "custom", "--by", "ops")
+    assert resumed.returncode == 0 and "resumed" in resumed.stdout
+    _wait_for(lambda: ran("acc.custom") == 6, timeout=60)
+    assert count_rows(url, schema, waiting) == 0
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
