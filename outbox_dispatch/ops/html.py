@@ -137,12 +137,14 @@ def filter_form(values: Mapping[str, str]) -> str:
 
 def bulk_form(values: Mapping[str, str], count: int, token: str) -> str:
     """What a selection matches and the buttons that act on all of it: the count is shown
-    before anything is done, and acting takes a click on a button that names it."""
+    before anything is done, and acting takes a click on a button that names it; the form
+    carries that count, so a selection that has changed since is shown again, not acted on."""
     hidden = "".join(
         f'<input type="hidden" name="{name}" value="{esc(values[name])}">'
         for name, _label in FILTER_FIELDS
         if values.get(name)
     )
+    hidden += f'<input type="hidden" name="count" value="{count}">'
     token_field = f'<input type="hidden" name="token" value="{esc(token)}">'
     buttons = "".join(
         f'<form class="inline" method="post" action="/bulk">{token_field}{hidden}'

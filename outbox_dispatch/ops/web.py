@@ -292,12 +292,20 @@ class WebApp:
         if action not in ("retry", "purge"):
             raise OutboxError(f"{action!r} is not an action on parked rows")
         values = {name: first(params, name) for name, _label in FILTER_FIELDS}
+        where, db = self._filter(values), self._database(params)
+        confirmed = first(params, "count")
+        if confirmed:  # the page's form says how many rows the operator saw and confirmed
+            now = actions.bulk(self.dispatcher, action, where, dry_run=True, database=db).count
+            if str(now) != confirmed:
+                warn = (
+                    f"nothing done: the selection matches {now} rows now, not the {confirmed} "
+                    "you confirmed; look at them and confirm again"
+                )
+                shown = {**values, "db": db or "", "warn": warn, "sig": self._sign("", warn)}
+                query = urlencode({k: v for k, v in shown.items() if v})
+                return Page("", redirect=f"/parked?{query}")
         done = actions.bulk(
-            self.dispatcher,
-            action,
-            self._filter(values),
-            by=f"outbox page: {self.user}",
-            database=self._database(params),
+            self.dispatcher, action, where, by=f"outbox page: {self.user}", database=db
         )
         verb = "due again (attempts reset)" if action == "retry" else "purged"
         return self._back("/parked", f"{done.done} rows {verb}")

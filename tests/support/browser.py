@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import base64
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,3 +44,20 @@ def chrome() -> Iterator[Any]:
         yield driver
     finally:
         driver.quit()
+
+
+def save_region(driver: Any, path: Path, parts: Sequence[Any], margin: int = 6) -> None:
+    """A PNG of the part of the page that ``parts`` (elements) cover, with a margin: the
+    docs' screenshots show what their text describes and stay small. Headings span the
+    page's width: the others say how wide the part is."""
+    rects = [part.rect for part in parts]
+    wide = [p.rect for p in parts if p.tag_name not in ("h1", "h2", "h3")] or rects
+    left = max(0, min(r["x"] for r in rects) - margin)
+    top = max(0, min(r["y"] for r in rects) - margin)
+    right = max(r["x"] + r["width"] for r in wide) + margin
+    bottom = max(r["y"] + r["height"] for r in rects) + margin
+    clip = {"x": left, "y": top, "width": right - left, "height": bottom - top, "scale": 1}
+    shot = driver.execute_cdp_cmd(
+        "Page.captureScreenshot", {"format": "png", "clip": clip, "captureBeyondViewport": True}
+    )
+    path.write_bytes(base64.b64decode(shot["data"]))
