@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +97,18 @@ def test_pause_and_resume_from_the_cli(clean_acc: dict[str, str]) -> None:
     assert unknown.returncode != 0 and "no family 'nope'" in unknown.stderr
 
 
+@pytest.fixture
+def no_pause_left(clean_acc: dict[str, str]) -> Iterator[None]:
+    """Whatever this test pauses is resumed at its end, passed or failed: the other tests of
+    the schema run their families."""
+    yield
+    schema = clean_acc["OUTBOX_TEST_SCHEMA"]
+    with psycopg.connect(clean_acc["OUTBOX_TEST_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(f'TRUNCATE "{schema}".outbox_paused')
+
+
 def test_a_paused_family_claims_nothing_for_10_s_while_another_runs_with_a_real_worker(
-    clean_acc: dict[str, str], spawn: Callable[..., Any], tmp_path: Path
+    clean_acc: dict[str, str], spawn: Callable[..., Any], tmp_path: Path, no_pause_left: None
 ) -> None:
     """A worker and beat run; the ``custom`` family is paused from the CLI. For 10 s its rows
     are never claimed (no claim token, no start, no handler run) while the ``intent`` family's

@@ -13,11 +13,12 @@ import base64
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from tests.chaos.services import free_port
 from tests.conftest import count_rows
@@ -119,11 +120,22 @@ def _loads(browser: Any, url: str) -> bool:
     return "outbox: status" in browser.title
 
 
+@pytest.fixture
+def no_pause_left(clean_acc: dict[str, str]) -> Iterator[None]:
+    """Whatever this test pauses is resumed at its end, passed or failed: the other tests of
+    the schema run their families."""
+    yield
+    schema = clean_acc["OUTBOX_TEST_SCHEMA"]
+    with psycopg.connect(clean_acc["OUTBOX_TEST_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(f'TRUNCATE "{schema}".outbox_paused')
+
+
 def test_an_operator_reads_a_traceback_pauses_acts_on_a_selection_and_reads_the_audit(
     clean_acc: dict[str, str],
     spawn: Callable[..., Any],
     browser: Any,
     tmp_path: Path,
+    no_pause_left: None,
 ) -> None:
     """With a real worker: a handler that fails three calls deep is parked and its row shows
     the traceback down to the failing function; the operator pauses the family whose relay is
