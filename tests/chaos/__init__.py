@@ -9,4 +9,8 @@ from the records the handlers left.
 - ``checks``: the pure checks (loss accounting, duplicates, overlap sweep, order).
 - ``report``: from the records to the figures, the verdicts and the printed table.
 - ``run``: the orchestrator (``scripts/chaos``).
+- ``matrix``: the fault and pressure matrix (``scripts/chaos --matrix``), one fault a cell
+  against a clean baseline; ``clock`` (with ``clockstep.c``) steps the workers' wall clock.
+- ``deploy``: a rolling deploy under load (``--rolling``) and the commit listener's failover
+  (``--failover``), measured.
 """

@@ -5,8 +5,10 @@ and prefork alternate: a threads worker can only stop a handler through ``ctx.is
 a prefork one raises SoftTimeLimitExceeded in it and kills its pool process). The two
 claimers are ``celery worker -B`` processes on the claim queue only: each runs beat (so there
 are two schedulers), consumes claim tasks and runs the NOTIFY listener (one leads, the other
-stands by). Every process runs in its own session, so a kill -9 of its process group takes its
-pool children and its embedded beat with it, as a container kill would.
+stands by). A node (the rolling deploy's) does both: it consumes the delivery and claim
+queues and runs a listener, without beat. Every process runs in its own session, so a kill -9
+of its process group takes its pool children and its embedded beat with it, as a container
+kill would.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,7 @@ POOLS = ("prefork", "threads")
 @dataclass
 class Member:
     name: str
-    role: str  # worker | claimer
+    role: str  # worker | claimer | node
     pool: str  # prefork | threads
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
@@ -73,6 +75,7 @@ class Fleet:
         claimers: int = 2,
         rng: random.Random,
         pools: Sequence[str] = ("threads", "prefork"),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         unknown = [p for p in pools if p not in POOLS]
         if not pools or unknown:
@@ -80,6 +83,7 @@ class Fleet:
         self.settings = settings
         self.logdir = logdir
         self.rng = rng
+        self.env = dict(env or {})  # more variables for every process (a clock shim)
         self.members = [
             Member(f"w{i}", "worker", pools[i % len(pools)]) for i in range(workers)
         ] + [Member(f"c{i}", "claimer", "threads") for i in range(claimers)]
@@ -95,6 +99,9 @@ class Fleet:
                 old.unlink()
             schedule = beat / f"{m.name}-{m.starts}"
             return [*base, "-B", "-s", str(schedule), "-Q", CLAIM_QUEUE, "-P", "threads", "-c", "2"]
+        if m.role == "node":
+            queues = f"{CLAIM_QUEUE},{DELIVERY_QUEUES}"
+            return [*base, "-Q", queues, "-P", "threads", "-c", "8"]
         concurrency = "2" if m.pool == "prefork" else "4"
         return [*base, "-Q", DELIVERY_QUEUES, "-P", m.pool, "-c", concurrency]
 
@@ -102,6 +109,7 @@ class Fleet:
         env = {
             **os.environ,
             **with_role(self.settings, m.role).env(),
+            **self.env,
             "PYTHONUNBUFFERED": "1",
         }
         cmd = self.command(m)
@@ -119,6 +127,12 @@ class Fleet:
         m.started_at = time.monotonic()
         m.restart_at = None
         m.starts += 1
+
+    def add(self, name: str, role: str = "worker", pool: str = "threads") -> Member:
+        """One more member, not started yet."""
+        m = Member(name, role, pool)
+        self.members.append(m)
+        return m
 
     def start_all(self) -> None:
         for m in self.members:
@@ -145,6 +159,28 @@ class Fleet:
         m.restart_at = time.monotonic() + restart_in
         self._note(m, f"kill -9 of process group {pgid}")
         return Kill(at, pgid=pgid)
+
+    def stop(self, m: Member, timeout: float = 60.0) -> float:
+        """SIGTERM to the member's main process, as a deploy stops a worker (Celery's warm
+        shutdown: it stops consuming and waits for the tasks it runs), and wait until it exited;
+        kill -9 after ``timeout``. Returns how long it took to exit."""
+        assert m.proc is not None
+        t0 = time.monotonic()
+        self._note(m, "SIGTERM (warm shutdown)")
+        with contextlib.suppress(ProcessLookupError):
+            m.proc.send_signal(signal.SIGTERM)
+        try:
+            m.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._note(m, f"still running {timeout:g} s after SIGTERM: kill -9")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(m.proc.pid, signal.SIGKILL)
+            m.proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # pool children it left behind
+            os.killpg(m.proc.pid, signal.SIGKILL)
+        m.proc = None
+        m.restart_at = None
+        return time.monotonic() - t0
 
     def kill_pool_child(self, m: Member) -> Kill | None:
         """kill -9 one pool process of a prefork worker: Celery replaces it and requeues its

@@ -109,6 +109,11 @@ class ChaosConfig:
     postgres_fast_at: float = 0.67
     settle_timeout: float = 0.0  # 0: max(30 s, 3 settle limits) after the last fault
     logdir: str = ""
+    schema: str = "chaos"  # the fault matrix gives each cell its own
+    claim_interval: float = 0.5
+    pool_size: int = 6  # Postgres connections per worker process
+    record_clock: str = "local"  # run records' times: "local", or "postgres" (workload.py)
+    chunk: int = CHUNK  # rows per producer transaction
 
     @property
     def pool_list(self) -> tuple[str, ...]:
@@ -121,11 +126,14 @@ class Producer(threading.Thread):
     rows committed (the record commits with the rows, so it is the truth) and retries the rest:
     no row is lost or doubled by the producer itself."""
 
-    def __init__(self, settings: Settings, plan: list[Planned], window: float) -> None:
+    def __init__(
+        self, settings: Settings, plan: list[Planned], window: float, chunk: int = CHUNK
+    ) -> None:
         super().__init__(name="chaos-producer", daemon=True)
         self.settings = settings
         self.plan = plan
         self.window = window
+        self.chunk = chunk
         self.stop = threading.Event()
         self.enqueued = 0
         self.retries = 0
@@ -153,7 +161,7 @@ class Producer(threading.Thread):
             due = t0 + self.window * i / len(self.plan)
             if (wait := due - time.monotonic()) > 0:
                 self.stop.wait(wait)
-            chunk = self.plan[i : i + CHUNK]
+            chunk = self.plan[i : i + self.chunk]
             try:
                 if conn is None or conn.closed:
                     conn = psycopg.connect(self.settings.database_url, connect_timeout=3)
@@ -170,7 +178,7 @@ class Producer(threading.Thread):
                 conn = None
                 self.stop.wait(0.3)
                 continue
-            i += CHUNK
+            i += self.chunk
             self.enqueued = min(i, len(self.plan))
         self.done_at = time.time()
         if conn is not None:
@@ -246,7 +254,14 @@ class Monitor:
 
 
 class Chaos:
-    def __init__(self, config: ChaosConfig, services: Services, logdir: Path, out: TextIO):
+    def __init__(
+        self,
+        config: ChaosConfig,
+        services: Services,
+        logdir: Path,
+        out: TextIO,
+        fleet_env: dict[str, str] | None = None,
+    ):
         self.config = config
         self.services = services
         self.logdir = logdir
@@ -259,6 +274,10 @@ class Chaos:
             lease=config.lease,
             parent_pid=os.getpid(),
             heartbeat_timeout=config.heartbeat_timeout,
+            schema=config.schema,
+            claim_interval=config.claim_interval,
+            pool_size=config.pool_size,
+            record_clock=config.record_clock,
         )
         self.fleet = Fleet(
             self.settings,
@@ -267,6 +286,7 @@ class Chaos:
             claimers=config.claimers,
             rng=random.Random(config.seed + 1),
             pools=config.pool_list,
+            env=fleet_env,
         )
         self.settle_limit = self._settle_limit()
         self.kinds = [
@@ -283,6 +303,7 @@ class Chaos:
         self.stranded = 0  # runs in progress that the last fault killed
         self.t0 = 0.0
         self._last_line = 0.0
+        self.records: Records | None = None  # what _report read back, for the fault matrix
 
     def _settle_limit(self) -> float:
         """2 * max(lease, heartbeat_timeout) over the families as this core declares them."""
@@ -295,14 +316,20 @@ class Chaos:
 
     # -- phases ------------------------------------------------------------------------------
 
+    def plan(self) -> list[Planned]:
+        return plan_workload(self.config.rows, random.Random(self.config.seed), self.config.lease)
+
     def run(self) -> Report:
         self._prepare()
-        plan = plan_workload(self.config.rows, random.Random(self.config.seed), self.config.lease)
+        plan = self.plan()
         self.fleet.start_all()
         try:
             self._wait_for_fleet()
             producer = Producer(
-                self.settings, plan, self.config.duration * self.config.produce_share
+                self.settings,
+                plan,
+                self.config.duration * self.config.produce_share,
+                self.config.chunk,
             )
             self.t0 = time.monotonic()
             producer.start()
@@ -700,7 +727,8 @@ class Chaos:
             unsettled=self.unsettled,
             unsettled_count=self.unsettled_count,
         )
-        return assess(self._collect(), facts)
+        self.records = self._collect()
+        return assess(self.records, facts)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -728,7 +756,9 @@ def parse(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
     p = argparse.ArgumentParser(
         prog="scripts/chaos",
         description="Deliver a mixed workload through real worker and claimer processes while "
-        "killing them, Redis and Postgres; then check every invariant.",
+        "killing them, Redis and Postgres; then check every invariant. Other modes, each with "
+        "its own options (--help after the mode): --matrix (the fault and pressure matrix), "
+        "--rolling (a rolling deploy under load), --failover (the commit listener's failover).",
     )
     d = ChaosConfig()
     p.add_argument("--rows", type=int, default=d.rows, help="rows to enqueue (%(default)s)")
@@ -804,7 +834,13 @@ def parse(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
     return config, a.json
 
 
+MODES = ("--matrix", "--rolling", "--failover")  # each its own parser (matrix.py, deploy.py)
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "--matrix" in args or "--rolling" in args or "--failover" in args:
+        return _other_mode(args)
     config, as_json = parse(argv)
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)
@@ -822,6 +858,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(report))
     return 0 if report.ok else 1
+
+
+def _other_mode(args: list[str]) -> int:
+    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if "--matrix" in args:
+            from .matrix import main as matrix_main
+
+            return matrix_main(args)
+        from .deploy import main as deploy_main
+
+        return deploy_main(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("\nchaos: interrupted; every process it started is stopped\n")
+        return 130
+    except ServiceError as exc:
+        sys.stderr.write(f"chaos: cannot run: {exc}\n")
+        return 2
 
 
 if __name__ == "__main__":

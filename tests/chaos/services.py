@@ -48,6 +48,9 @@ from outbox_dispatch.core.logs import event
 log = logging.getLogger(__name__)
 
 
+APP_ROLE = "chaos_app"  # the matrix's workers' role: no superuser, so no reserved slot
+
+
 class ServiceError(RuntimeError):
     """A private service could not be set up: the message says what is missing."""
 
@@ -218,12 +221,37 @@ class PrivatePostgres(_PrivateServer):
         self.root = Path(tempfile.mkdtemp(prefix="chaos-pg-"))
         self.data = self.root / "data"
         self.proc: subprocess.Popen[bytes] | None = None
+        # what the next start sets; the fault matrix lowers it for its pool exhaustion cell.
+        # The reserved slots are for superusers: the matrix runs its workers as APP_ROLE, so
+        # its own sessions (run records, the producer, the monitor) are never refused
+        self.max_connections = 400
+        self.reserved_connections = 50
         if self.owner is not None:
             os.chown(self.root, self.owner.pw_uid, self.owner.pw_gid)
 
     @property
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def app_url(self) -> str:
+        """As ``APP_ROLE``: a runtime role without superuser rights (see ``grant_app``)."""
+        return f"postgresql://{APP_ROLE}@127.0.0.1:{self.port}/postgres"
+
+    def grant_app(self, schema: str) -> None:
+        """``APP_ROLE`` (created if missing) may read and write every table of ``schema``:
+        what the outbox's runtime path needs (store/roles.py)."""
+        with psycopg.connect(self.url, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(
+                "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = "
+                f"'{APP_ROLE}') THEN CREATE ROLE {APP_ROLE} LOGIN; END IF; END $$"
+            )
+            conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {APP_ROLE}')
+            conn.execute(
+                f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}"'
+                f" TO {APP_ROLE}"
+            )
+            conn.execute(f'GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO {APP_ROLE}')
 
     def _user(self) -> dict[str, Any]:
         """subprocess arguments that run a Postgres tool as the cluster's owner."""
@@ -262,7 +290,9 @@ class PrivatePostgres(_PrivateServer):
             "-c",
             "listen_addresses=127.0.0.1",
             "-c",
-            "max_connections=400",
+            f"max_connections={self.max_connections}",
+            "-c",
+            f"superuser_reserved_connections={self.reserved_connections}",
             "-c",
             "fsync=off",
             "-c",
@@ -310,6 +340,29 @@ class PrivatePostgres(_PrivateServer):
         self.start()
         event(log, logging.WARNING, self.restarted, f"port {self.port}, {how}")
         return how
+
+    def terminate_backends(self, exclude: tuple[int, ...] = ()) -> int:
+        """``pg_terminate_backend`` of every client session but ours (and ``exclude``): what an
+        operator's kill of stuck sessions, a pooler's reset or an idle-session timeout does to
+        each of them. Returns how many were ended."""
+        with psycopg.connect(self.url, autocommit=True, connect_timeout=3) as conn:
+            row = conn.execute(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+                " AND NOT pid = ANY(%s)",
+                (list(exclude),),
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    def client_sessions(self, user: str | None = None) -> int:
+        """Client sessions open now (of ``user``; else all, ours included)."""
+        with psycopg.connect(self.url, autocommit=True, connect_timeout=3) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"
+                " AND usename = coalesce(%s, usename)",
+                (user,),
+            ).fetchone()
+        return int(row[0]) if row else 0
 
     def close(self) -> None:
         self.kill()

@@ -72,6 +72,10 @@ class Settings:
     pool_size: int = 6
     parent_pid: int = 0  # the orchestrator: a process whose orchestrator died kills itself
     heartbeat_timeout: float = 0.0  # given to every family when the core has it; 0: the lease
+    # where run records take their times: "local" (time.time() in the handler) or "postgres"
+    # (clock_timestamp() of the record's statement), for workers whose wall clock is stepped
+    record_clock: str = "local"
+    record_url: str = ""  # where run records go (default: database_url)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -86,6 +90,8 @@ class Settings:
             pool_size=int(e.get("CHAOS_POOL_SIZE", "6")),
             parent_pid=int(e.get("CHAOS_PARENT_PID", "0")),
             heartbeat_timeout=float(e.get("CHAOS_HEARTBEAT_TIMEOUT", "0")),
+            record_clock=e.get("CHAOS_RECORD_CLOCK", "local"),
+            record_url=e.get("CHAOS_RECORD_URL", ""),
         )
 
     def env(self) -> dict[str, str]:
@@ -99,6 +105,8 @@ class Settings:
             "CHAOS_POOL_SIZE": str(self.pool_size),
             "CHAOS_PARENT_PID": str(self.parent_pid),
             "CHAOS_HEARTBEAT_TIMEOUT": str(self.heartbeat_timeout),
+            "CHAOS_RECORD_CLOCK": self.record_clock,
+            "CHAOS_RECORD_URL": self.record_url,
         }
 
     def table(self, name: str) -> str:
@@ -172,11 +180,19 @@ class Recorder:
         self.patience = patience
         self._local = threading.local()
         self.runs = settings.table("chaos_runs")
+        # a time as the statement gives it: the handler's, or Postgres' clock when the
+        # process' own wall clock is not to be trusted (the clock step cell moves it)
+        self.db_clock = settings.record_clock == "postgres"
+        self.now = "extract(epoch FROM clock_timestamp())::float8" if self.db_clock else "%s"
+
+    def _at(self, at: float) -> tuple[float, ...]:
+        return () if self.db_clock else (at,)
 
     def _conn(self) -> psycopg.Connection[Any]:
         conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
         if conn is None or conn.closed or getattr(self._local, "pid", 0) != os.getpid():
-            conn = psycopg.connect(self.settings.database_url, autocommit=True, connect_timeout=3)
+            url = self.settings.record_url or self.settings.database_url
+            conn = psycopg.connect(url, autocommit=True, connect_timeout=3)
             self._local.conn, self._local.pid = conn, os.getpid()
         return conn
 
@@ -199,7 +215,7 @@ class Recorder:
     def start(self, run_id: uuid.UUID, ctx: Context, started: float) -> None:
         self._write(
             f"INSERT INTO {self.runs} (run_id, row_id, family, actor, attempt, maybe_applied,"
-            " pid, pgid, started) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            f" pid, pgid, started) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, {self.now})"
             " ON CONFLICT (run_id) DO NOTHING",
             (
                 run_id,
@@ -210,7 +226,7 @@ class Recorder:
                 ctx.maybe_applied,
                 os.getpid(),
                 os.getpgrp(),
-                started,
+                *self._at(started),
             ),
         )
 
@@ -219,7 +235,8 @@ class Recorder:
 
         def effect(ctx: Context) -> None:
             self._write(
-                f"UPDATE {self.runs} SET effect_at = %s WHERE run_id = %s", (time.time(), run_id)
+                f"UPDATE {self.runs} SET effect_at = {self.now} WHERE run_id = %s",
+                (*self._at(time.time()), run_id),
             )
 
         return effect
@@ -235,9 +252,9 @@ class Recorder:
         error: str | None = None,
     ) -> None:
         self._write(
-            f"UPDATE {self.runs} SET ended = %s, ok = %s, told_to_stop = %s, gave_up = %s,"
-            " error = %s WHERE run_id = %s",
-            (ended, ok, told_to_stop, gave_up, error, run_id),
+            f"UPDATE {self.runs} SET ended = {self.now}, ok = %s, told_to_stop = %s,"
+            " gave_up = %s, error = %s WHERE run_id = %s",
+            (*self._at(ended), ok, told_to_stop, gave_up, error, run_id),
         )
 
 
@@ -340,7 +357,7 @@ def build(settings: Settings) -> tuple[Celery, Dispatcher]:
         claim_interval=settings.claim_interval,
         pool_size=settings.pool_size,
         key_prefix="chaos",
-        listen=settings.role == "claimer",
+        listen=settings.role in ("claimer", "node"),
     )
     declare_families(dispatcher, settings.lease, settings.heartbeat_timeout)
     recorder = Recorder(settings)
