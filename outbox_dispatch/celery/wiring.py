@@ -21,7 +21,9 @@ from outbox_dispatch.core import timings
 
 if TYPE_CHECKING:
     from outbox_dispatch.claim.listener import CommitListener
+    from outbox_dispatch.dispatcher import Dispatcher
     from outbox_dispatch.worker.messages import Result
+    from outbox_dispatch.worker.slots import CapSlots
 
 DELIVER_TASK = "outbox.deliver"  # every delivery message: one row, or a batch of them
 DELIVER_ROW_TASK = "outbox.deliver_row"  # still run: messages queued under this name
@@ -106,7 +108,42 @@ def register_tasks(
         claim(names, database if isinstance(database, str) else None)
 
     quiet_celery_logs()
+    hand_back_when_stopping(app)
     return deliver_task, claim_task
+
+
+def hand_back_when_stopping(app: Celery) -> None:
+    """A worker that is stopped hands back the rows of the delivery messages it holds
+    (worker/leaving.py): those not started when a warm shutdown begins (SIGTERM), and those
+    cut off when a cold one ends (the soft shutdown's timeout, SIGQUIT). Celery's signals, in
+    the worker's main process."""
+    from celery import signals
+
+    from outbox_dispatch.worker.leaving import Leaving
+
+    def slots_of(database: str | None) -> CapSlots | None:
+        dispatcher: Dispatcher | None = getattr(app, "outbox_dispatcher", None)
+        if dispatcher is None:
+            return None
+        db = dispatcher.databases.get(database) if database else dispatcher.database()
+        return None if db is None else db.delivery.slots
+
+    leaving = Leaving(slots_of)
+
+    def received(request: Any, **_kw: Any) -> None:
+        task = request.task  # its name, not the request's: Flower's name for the delivery
+        if task.name in DELIVER_TASKS and getattr(task, "app", None) is app:
+            leaving.received(request)
+
+    def shutting_down(how: str = "Warm", **_kw: Any) -> None:
+        leaving.stopping(cold=how == "Cold")
+
+    def shutdown(**_kw: Any) -> None:
+        leaving.stopped()
+
+    signals.task_received.connect(received, weak=False)
+    signals.worker_shutting_down.connect(shutting_down, weak=False)
+    signals.worker_shutdown.connect(shutdown, weak=False)
 
 
 def soft_limit_at(task: Any, accepted: float) -> float | None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from uuid import UUID
 
 from outbox_dispatch.caps.releases import Wake
@@ -25,6 +26,19 @@ log = logging.getLogger(__name__)
 # must have this much left past the heartbeat's first renewal to start on without renewing.
 SLOT_MARGIN = 2 * timings.HEARTBEAT_TICK + RENEW_TIMEOUT
 LAPSED = 0.0  # what CapSlots.check returns for a row whose slot lapsed (handed back)
+
+
+@dataclass(frozen=True)
+class Handed:
+    """A row a stopping worker handed back (worker/leaving.py): due again, not started, or
+    ``started`` and marked lost."""
+
+    id: int
+    family: str
+    command: str
+    actor: str | None
+    token: UUID
+    started: bool
 
 
 def slot_surely_left(claim_age: float | None, family: Family) -> float | None:
@@ -209,3 +223,17 @@ class CapSlots:
         database's."""
         for family_name, database in sorted(wakes, key=lambda w: (w[0], w[1] or "")):
             self.on_slot_freed(family_name, database)
+
+    def handed_back(self, rows: Sequence[Handed]) -> None:
+        """Rows a stopping worker handed back are due now: their cap slots go back (the next
+        claim takes a slot again, for them or for their actors' waiting rows), and each family's
+        claimer is asked for a claim at once, not at its next pass."""
+        freed: dict[str, list[Slot]] = {}
+        for row in rows:
+            family = self.families.get(row.family)
+            slot = None if family is None else self._slot(family, row.command, row.actor, row.token)
+            freed.setdefault(row.family, []).extend([] if slot is None else [slot])
+        for family_name, slots in sorted(freed.items()):
+            if slots and self.caps is not None:
+                self.caps.release(slots, self.caps_database)
+            self.on_slot_freed(family_name, self.caps_database)
