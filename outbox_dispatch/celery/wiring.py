@@ -130,10 +130,10 @@ def hand_back_when_stopping(app: Celery) -> None:
 
     leaving = Leaving(slots_of)
 
-    def received(request: Any, **_kw: Any) -> None:
+    def received(sender: Any, request: Any, **_kw: Any) -> None:
         task = request.task  # its name, not the request's: Flower's name for the delivery
         if task.name in DELIVER_TASKS and getattr(task, "app", None) is app:
-            leaving.received(request)
+            leaving.received(request, sender)
 
     def shutting_down(how: str = "Warm", **_kw: Any) -> None:
         leaving.stopping(cold=how == "Cold")

@@ -56,12 +56,14 @@ class Leaving:
         # Celery request id -> its Request. No lock: the consumer's thread adds to it, and
         # Celery's signal handler reads it on that same thread, between two of its statements.
         self._held: dict[str, Any] = {}
+        self._consumer: Any = None  # Celery's Consumer, which received them
         self._prune_at = 64
         self._thread: threading.Thread | None = None
 
-    def received(self, request: Any) -> None:
+    def received(self, request: Any, consumer: Any) -> None:
         """A delivery message was received (Celery's ``task_received``). Acknowledged messages
         are dropped as more come in, so this holds about what the worker has reserved."""
+        self._consumer = consumer
         self._held[request.id] = request
         if len(self._held) >= self._prune_at:
             self._held = {k: r for k, r in self._held.items() if not r.acknowledged}
@@ -83,6 +85,8 @@ class Leaving:
         rows = self.unfinished()
         if not rows:
             return
+        if not cold:  # a cold shutdown stopped taking messages before it cancelled the tasks
+            self._stop_consuming()
         thread = threading.Thread(
             target=self._hand_back, args=(rows, cold), name="outbox-leaving", daemon=True
         )
@@ -90,6 +94,18 @@ class Leaving:
         thread.start()
         if cold:
             thread.join(HAND_BACK_WAIT)
+
+    def _stop_consuming(self) -> None:
+        """The rows handed back are claimed again at once, and this worker must not take their
+        new messages: it stops taking messages now, as its shutdown does a moment later (the
+        consumer's ``task_consumer``, cancelled as Celery's cold shutdown cancels it)."""
+        task_consumer = getattr(self._consumer, "task_consumer", None)
+        if task_consumer is None:
+            return
+        try:
+            task_consumer.cancel()
+        except Exception as exc:  # the broker is gone: no message can come from it either
+            event(log, logging.INFO, "consumer_cancel_failed", repr(exc))
 
     def stopped(self) -> None:
         """The worker has shut down: its hand back must land before the process exits."""
