@@ -9,10 +9,10 @@ The cells:
 - ``pg_backend_kill``: ``pg_terminate_backend`` of every client session (the workers' pools,
   the listener, the producer's): the server stays up.
 - ``pool_exhaustion``: the workers connect as a role without superuser rights, and the cluster
-  is restarted so that role may open as many sessions as the workers held at their peak in the
-  baseline run (``max_connections`` is that plus the slots reserved for superusers, which the
-  harness's own sessions use); at the fault more worker processes start, each with a pool of
-  its own: connections past the limit are refused ("too many clients already").
+  is restarted so that role may open a quarter more sessions than the workers held at their
+  peak in the baseline run (``max_connections`` is that plus the slots reserved for
+  superusers, which the harness's own sessions use); at the fault more worker processes start,
+  each with pools of its own: connections past the limit are refused.
 - ``repeated_kills``: kill -9 of a delivery worker (its process group) every few seconds for
   the fault's length; each comes back 0.5-2 s later.
 - ``idle_in_tx``: a session opens a repeatable-read transaction, reads the outbox (so it holds
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import tempfile
 import threading
@@ -72,6 +73,9 @@ LASTING = frozenset({"repeated_kills", "idle_in_tx", "active_readers"})
 # chaos run (a cell injects one)
 REPLACED = ("settle after the last fault", "every fault kind injected")
 SETTLED = frozenset(Fate) - checks.LOST
+# pool_exhaustion: the workers' role may open this share of the baseline's peak sessions, so
+# the fleet fits and the worker processes that join at the fault do not
+HEADROOM = 1.25
 SLACK = 1.0  # s added to the baseline's drain time in the completion window: one run's jitter
 # worker log lines at ERROR that a cell's faults should not cause: every ERROR line but the
 # parking of rows planned to fail for good
@@ -82,7 +86,7 @@ PLANNED_ERROR = "planned to fail for good"
 class MatrixConfig:
     cells: tuple[str, ...] = CELLS
     rate: float = 25.0  # rows/s committed
-    load: float = 40.0  # seconds of load (idle_in_tx: at least its hold plus 20 s)
+    load: float = 40.0  # seconds of load (idle_in_tx: at least until 5 s after its hold)
     fault_at: float = 15.0  # seconds into the load the fault (or a lasting one) begins
     fault_for: float = 20.0  # length of repeated_kills and active_readers
     idle_for: float = 20.0  # idle_in_tx's hold (the issue's: 300)
@@ -91,7 +95,7 @@ class MatrixConfig:
     clock_step: float = 60.0  # seconds the clock steps back
     extra_workers: int = 3  # pool_exhaustion: worker processes started at the fault
     # pool_exhaustion: sessions the workers' role may open (max_connections less the slots
-    # reserved for superusers); 0 takes the baseline's peak of the workers' sessions
+    # reserved for superusers); 0: HEADROOM times the baseline's peak of the workers' sessions
     max_connections: int = 0
     workers: int = 3
     claimers: int = 2
@@ -142,7 +146,7 @@ class CellResult:
 
 
 def chaos_config(mc: MatrixConfig, cell: str) -> ChaosConfig:
-    load = max(mc.load, mc.fault_at + mc.idle_for + 10) if cell == "idle_in_tx" else mc.load
+    load = max(mc.load, mc.fault_at + mc.idle_for + 5) if cell == "idle_in_tx" else mc.load
     return ChaosConfig(
         rows=max(1, int(mc.rate * load)),
         duration=load,
@@ -462,7 +466,7 @@ def run_cell(
     pg = services.postgres
     restore: Callable[[], None] | None = None
     if cell == "pool_exhaustion":
-        limit = mc.max_connections or baseline_peak or 40
+        limit = mc.max_connections or math.ceil(baseline_peak * HEADROOM) or 40
         before = pg.max_connections
         pg.max_connections = limit + pg.reserved_connections
         pg.fast_restart(down=0.2)
@@ -476,8 +480,9 @@ def run_cell(
         run = CellRun(mc, cell, services, cell_dir, out)
         if cell == "pool_exhaustion":
             run.notes.append(
-                f"the workers' role may open {limit} sessions (the baseline's peak"
-                f" {baseline_peak or '?'}), {mc.extra_workers} more workers at the fault"
+                f"the workers' role may open {limit} sessions (the baseline's workers held"
+                f" {baseline_peak or '?'} at their peak), {mc.extra_workers} more workers at"
+                " the fault"
             )
         report = run.run()
     finally:
@@ -591,7 +596,7 @@ def parse(argv: list[str]) -> tuple[MatrixConfig, bool]:
         "--max-connections",
         type=int,
         default=0,
-        help="pool_exhaustion's max_connections (default: the baseline's peak sessions)",
+        help="sessions pool_exhaustion lets the workers open (default: 1.25 x the baseline's peak)",
     )
     p.add_argument("--workers", type=int, default=d.workers, help="(%(default)s)")
     p.add_argument("--claimers", type=int, default=d.claimers, help="(%(default)s)")

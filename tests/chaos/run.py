@@ -32,6 +32,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 import psycopg
+import redis
+from kombu.exceptions import KombuError
 
 from outbox_dispatch.core.errors import OutboxError
 from outbox_dispatch.store.migrations import migrate
@@ -366,7 +368,12 @@ class Chaos:
                 if dead:
                     log = self.logdir / f"{dead[0].name}.log"
                     raise RuntimeError(f"{dead[0].name} exited while starting: see {log}")
-                replies = app.control.ping(timeout=1.0) or []
+                try:
+                    replies = app.control.ping(timeout=1.0) or []
+                except (redis.RedisError, KombuError, OSError):
+                    # a broker connection from before a Redis restart (a matrix cell's)
+                    replies = []
+                    time.sleep(0.2)
                 names = {name.split("@")[0] + "@" for reply in replies for name in reply}
                 self._say(f"waiting for the fleet: {len(names & want)}/{len(want)} answer")
                 if want <= names:
