@@ -280,6 +280,33 @@ class FailoverRun(CellRun):
             self.events.append((kill.at, victim.name, takeover))
 
 
+def takeovers(
+    events: list[tuple[float, str, float | None]],
+    committed_at: dict[int, float],
+    starts: dict[int, float],
+) -> list[Takeover]:
+    """Per kill (its time, whom, when the lock was taken over): the rows committed from it to
+    the next kill, their worst commit -> start, and how long after the kill the last of them
+    that waited ``SLOW`` or more started (0: none did; None: a row never started)."""
+    out = []
+    bounds = [at for at, _, _ in events[1:]] + [float("inf")]
+    for (at, name, takeover), until in zip(events, bounds, strict=True):
+        rows = [r for r, c in committed_at.items() if at <= c < until]
+        lat = {r: starts[r] - committed_at[r] for r in rows if r in starts}
+        slow = [starts[r] for r, v in lat.items() if v >= SLOW]
+        back = None if len(lat) < len(rows) else round(max(slow) - at, 2) if slow else 0.0
+        out.append(
+            Takeover(
+                killed=name,
+                takeover_seconds=None if takeover is None else round(takeover, 2),
+                rows_after=len(rows),
+                worst_after=round(max(lat.values()), 3) if lat else None,
+                back_under_1s=back,
+            )
+        )
+    return out
+
+
 def failover(mc: MatrixConfig, kills: int, out: TextIO) -> list[Takeover]:
     logdir = _logdir(mc, "failover")
     with Services(logdir) as services:
@@ -290,22 +317,7 @@ def failover(mc: MatrixConfig, kills: int, out: TextIO) -> list[Takeover]:
         result = result_of(run, report)
     rec = run.records
     assert rec is not None
-    starts = first_starts(rec)
-    out_list = []
-    bounds = [at for at, _, _ in run.events[1:]] + [float("inf")]
-    for (at, name, takeover), until in zip(run.events, bounds, strict=True):
-        rows = [r for r, c in rec.committed_at.items() if at <= c < until and r in starts]
-        lat = {r: starts[r] - rec.committed_at[r] for r in rows}
-        slow = [starts[r] for r, v in lat.items() if v >= SLOW]
-        out_list.append(
-            Takeover(
-                killed=name,
-                takeover_seconds=None if takeover is None else round(takeover, 2),
-                rows_after=len(rows),
-                worst_after=round(max(lat.values()), 3) if lat else None,
-                back_under_1s=round(max(slow) - at, 2) if slow else 0.0,
-            )
-        )
+    out_list = takeovers(run.events, rec.committed_at, first_starts(rec))
     (logdir / "failover.json").write_text(
         json.dumps({"kills": [asdict(t) for t in out_list], "cell": result.jsonable()}, indent=2)
     )

@@ -633,6 +633,8 @@ class Chaos:
                 f" {settled / max(elapsed, 1e-9):.0f} rows/s"
             )
         up = f"{len(self.fleet.up('worker'))}w/{len(self.fleet.up('claimer'))}c"
+        if nodes := self.fleet.up("node"):
+            up += f"/{len(nodes)}n"
         line = (
             f"[{elapsed:6.1f}s] enqueued {producer.enqueued}/{len(producer.plan)} {state}"
             f" | {up} | faults {len(self.faults)}: {short}"
