@@ -157,7 +157,11 @@ class Runtime:
         work for every consumer is left for then (Claimer.run)."""
         chosen = self.dispatcher.chosen_databases(database)
         if len(chosen) == 1:
-            return self._claim_pass(chosen[0], families, refills=refills)
+            try:
+                return self._claim_pass(chosen[0], families, refills=refills)
+            except DatabaseUnavailable as exc:  # a restart: said once, the next pass claims
+                chosen[0].store.outage.failed("claim pass", str(exc))
+                return ClaimReport()
         report = ClaimReport()
         budget = self.settings.claim_seconds / len(chosen)  # the pass fits its interval
         for db in chosen:
@@ -224,10 +228,15 @@ class Runtime:
     # -- deliver -------------------------------------------------------------------------------
 
     def deliver_from_queue(
-        self, args: tuple[Any, ...], routing_key: str | None, stop_at: float | None = None
+        self,
+        args: tuple[Any, ...],
+        routing_key: str | None,
+        stop_at: float | None = None,
+        first_delivery: bool = False,
     ) -> list[Result]:
         """Run one delivery message (the ``outbox.deliver`` task) against the database it
-        names; ``stop_at``: when Celery's soft time limit for it passes (celery/wiring.py)."""
+        names; ``stop_at``: when Celery's soft time limit for it passes (celery/wiring.py);
+        ``first_delivery``: the broker did not mark it redelivered."""
         d = self.dispatcher
         prefix = self.settings.queue_prefix + "."
         hint = (
@@ -243,7 +252,11 @@ class Runtime:
         with about_database(d.shown(db)):
             try:
                 return db.delivery.deliver_message(
-                    rest, family_hint=hint, defer=True, stop_at=stop_at
+                    rest,
+                    family_hint=hint,
+                    defer=True,
+                    stop_at=stop_at,
+                    first_delivery=first_delivery,
                 )
             except DatabaseUnavailable as exc:
                 # acked without a start: its rows are claimed again after their lease, once the

@@ -70,7 +70,7 @@ def _soft_defaults(app: Celery) -> None:
 
 def register_tasks(
     app: Celery,
-    deliver: Callable[[tuple[Any, ...], str | None, float | None], Sequence[Result]],
+    deliver: Callable[[tuple[Any, ...], str | None, float | None, bool], Sequence[Result]],
     claim: Callable[[list[str] | None, str | None], object],
 ) -> tuple[Any, Any]:
     """The delivery tasks take raw args so a garbage message reaches our check, not a
@@ -94,7 +94,9 @@ def register_tasks(
     def run(self: Any, *args: Any, **kwargs: Any) -> str:
         stop_at = soft_limit_at(self, time.monotonic())
         info = getattr(self.request, "delivery_info", None) or {}
-        return report(self, task_state(deliver(args, info.get("routing_key"), stop_at)))
+        # Celery reads False where the broker does not mark redeliveries (Redis and RabbitMQ do)
+        first = info.get("redelivered", True) is False
+        return report(self, task_state(deliver(args, info.get("routing_key"), stop_at, first)))
 
     acks: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True}
     deliver_task = app.task(name=DELIVER_TASK, **acks, **common)(run)

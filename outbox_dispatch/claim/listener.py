@@ -83,6 +83,7 @@ class CommitListener:
         self._thread: threading.Thread | None = None
         self.leading = threading.Event()
         self._failures = 0  # claim passes failed in a row (not Postgres lost: that retries at 1 s)
+        self._lost = False  # Postgres is lost and the listener said so
 
     def start(self) -> None:
         self._stop.clear()
@@ -105,9 +106,10 @@ class CommitListener:
                 self._serve()
             except psycopg.Error as exc:
                 self.leading.clear()
+                first, self._lost = not self._lost, True
                 event(
                     log,
-                    logging.WARNING,
+                    logging.WARNING if first else logging.DEBUG,  # once an outage
                     "commit_listener_down",
                     f"listener lost Postgres at {mask_dsn(self.database_url)} "
                     f"({mask_dsn(str(exc))}); "
@@ -133,6 +135,9 @@ class CommitListener:
             # (sql/session.sql)
             q = raw_queries()
             conn.execute(q["session_defaults"])
+            if self._lost:
+                self._lost = False
+                event(log, logging.INFO, "commit_listener_back", "listening again")
             lock = f"{self.schema}.wake-listener"  # the same in every version: one listener leads
             while not self._stop.is_set():
                 row = conn.execute(

@@ -8,8 +8,9 @@
 -- Unless the family's starts flush (policy.starts_flushed: then it waits, as 'local' where
 -- the session says 'off'), the statement commits without waiting for its WAL flush, the
 -- claim before it having waited for its own; then a claim older than the server's start may
--- not start: a Postgres crash may have lost a start that ran, so the row waits for its lease
--- and runs again as a lost attempt (maybe_applied).
+-- not start from a message delivered before (a Postgres crash may have lost a start that ran,
+-- so the row waits for its lease and runs again as a lost attempt, maybe_applied). A message's
+-- first delivery (%(first_delivery)s) may: no attempt can have started under its token.
 -- It returns how long ago the row was claimed: the claim took the row's cap slot for the
 -- family's lease at most that long ago, so a young claim's slot is surely still held.
 -- The same statement settles the row this process delivered just before, if any (one row
@@ -33,7 +34,8 @@ WITH deleted AS (
     UPDATE __SCHEMA__.outbox SET started_at = now(),
         due_at = now() + make_interval(secs => %(run_lease)s)
     WHERE id = %(id)s AND claim_token = %(token)s AND started_at IS NULL AND due_at > now()
-      AND NOT waiting AND (%(flushed)s OR claimed_at >= pg_postmaster_start_time())
+      AND NOT waiting
+      AND (%(flushed)s OR %(first_delivery)s OR claimed_at >= pg_postmaster_start_time())
     RETURNING family, command, actor, payload, attempts, maybe_applied, dedupe_key,
         EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = id)
             AS cancel_requested,

@@ -5,12 +5,13 @@ are translated here, once, into the outbox error tree."""
 from __future__ import annotations
 
 import contextlib
+import select
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
 from psycopg.pq import TransactionStatus
-from psycopg_pool import PoolTimeout
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from outbox_dispatch.core.errors import (
     DatabaseError,
@@ -19,7 +20,12 @@ from outbox_dispatch.core.errors import (
     StatementCancelled,
 )
 from outbox_dispatch.core.logs import mask_dsn
-from outbox_dispatch.store.health import PROBE_CONNECT_TIMEOUT, Breaker, liveness_options
+from outbox_dispatch.store.health import (
+    PROBE_CONNECT_TIMEOUT,
+    Breaker,
+    Outage,
+    liveness_options,
+)
 from outbox_dispatch.store.pool import Conn, Pools
 from outbox_dispatch.store.sqlfiles import queries_for
 
@@ -68,6 +74,13 @@ def translated(action: str) -> Iterator[None]:
             "its statement_timeout or lock_timeout (or a pg_cancel_backend) ends the outbox's "
             "statements too; raise them for the outbox's role if this repeats"
         ) from exc
+    except psycopg.OperationalError as exc:
+        if not unreachable(exc):
+            raise DatabaseError(f"{action} failed: {mask_dsn(str(exc))}") from exc
+        why = mask_dsn(str(exc).strip().splitlines()[0] if str(exc) else repr(exc))
+        raise DatabaseUnavailable(
+            f"{action}: the database is not answering ({why}); its rows wait until it is back"
+        ) from exc
     except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, or a read-only default
         raise DatabaseError(
             f"{action} failed: the database refuses writes "
@@ -76,6 +89,30 @@ def translated(action: str) -> Iterator[None]:
         ) from exc
     except psycopg.Error as exc:
         raise DatabaseError(f"{action} failed: {mask_dsn(str(exc))}") from exc
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether a driver error says the server is gone or going (a restart, a crash, an ended
+    session, no connection in time) rather than refusing the statement itself."""
+    if isinstance(exc, PoolTimeout):
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
+
+
+def hung_up(conn: Conn) -> bool:
+    """Whether the server ended this idle pooled connection (a restart, pg_terminate_backend):
+    its socket then holds the server's goodbye, or its end. Our pools' sessions listen to
+    nothing, so an idle one has nothing else to read. A poll, not a round trip."""
+    if conn.closed or conn.broken:
+        return True
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable)
 
 
 def wake_channel(schema: str) -> str:
@@ -103,6 +140,7 @@ class StoreBase:
         self.name = name  # the dispatcher's name for this database
         self.breaker = breaker
         self.schema = schema
+        self.outage = Outage(name)
         self._clock_offset = 0.0
         self.q = queries_for(schema)
         self.channel = wake_channel(schema)
@@ -126,9 +164,29 @@ class StoreBase:
         self.q = queries_for(self.schema, self._clock_offset)
 
     @contextmanager
-    def connection(self) -> Iterator[Conn]:
-        with self.pools.main().connection() as conn:
-            yield conn
+    def connection(self, pool: ConnectionPool | None = None) -> Iterator[Conn]:
+        """A connection of the main pool (or of ``pool``), given back when the block ends."""
+        pool = self.pools.main() if pool is None else pool
+        conn = self.live(pool)
+        try:
+            with conn:
+                yield conn
+        finally:
+            pool.putconn(conn)
+        self.outage.answered()
+
+    def live(self, pool: ConnectionPool, timeout: float | None = None) -> Conn:
+        """A pooled connection the server has not ended. The first one found ended (Postgres
+        restarted, or an operator ended our sessions) says so once and has the pool test every
+        idle one, so each stale connection costs no statement its failure."""
+        conn = pool.getconn(timeout)
+        if not hung_up(conn):
+            return conn
+        conn.close()
+        pool.putconn(conn)  # closed: the pool drops it and opens another
+        self.outage.failed("a pooled connection", "the server ended it")
+        pool.check()
+        return pool.getconn(timeout)
 
     @contextmanager
     def _starting(self) -> Iterator[Conn]:
@@ -143,7 +201,7 @@ class StoreBase:
         admission = self.breaker.admit()
         pool = self.pools.main()
         try:
-            conn = pool.getconn(timeout=admission.timeout)
+            conn = self.live(pool, timeout=admission.timeout)
         except PoolTimeout as exc:
             why = "no connection from the pool in time"
             if admission.probe or not self._answers():
@@ -153,7 +211,7 @@ class StoreBase:
                     "the other databases go on"
                 ) from exc
             try:
-                conn = pool.getconn()  # it answers: the pool is busy, wait as without a breaker
+                conn = self.live(pool)  # it answers: the pool is busy, wait as without a breaker
             except BaseException:
                 self.breaker.abandoned(admission)
                 raise

@@ -32,12 +32,14 @@ class DeliveryQueries(StoreBase):
         carry: Mapping[SettleKind, tuple[int, UUID]] | None = None,
         *,
         flushed: bool = True,
+        first_delivery: bool = False,
     ) -> tuple[Started | None, set[int]]:
         """Start an attempt, and settle in the same statement the delivered rows in ``carry``
         (at most one per kind, ``delete`` or ``done``: deferred settles of rows delivered just
         before): one round trip for both, durable together. ``flushed``: whether it waits for
         its WAL flush (``starts_flushed`` of the row's family; without, a claim older than the
-        server's start may not start). Returns the started row (None: the claim no longer
+        server's start may not start, unless this is the ``first_delivery`` of its message).
+        Returns the started row (None: the claim no longer
         holds) and the ids settled."""
         deleted = (carry or {}).get(SettleKind.DELETE, _NO_ROW)
         done = (carry or {}).get(SettleKind.DONE, _NO_ROW)
@@ -50,6 +52,7 @@ class DeliveryQueries(StoreBase):
             "done": done[0],
             "done_token": done[1],
             "flushed": flushed,
+            "first_delivery": first_delivery,
         }
         with translated("delivery start"), self._starting() as conn:
             row = conn.execute(self.q["deliver_begin"], params).fetchone()
@@ -86,8 +89,8 @@ class DeliveryQueries(StoreBase):
             return "lease ran out before delivery began; the row will be claimed again"
         if before_restart:
             return (
-                "claimed before Postgres last started, which may have lost this attempt's "
-                "start: the row runs again after its lease, flagged maybe_applied"
+                "claimed before Postgres last started, which may have lost the start of this "
+                "redelivered message: the row runs again after its lease, flagged maybe_applied"
             )
         return "row is not deliverable"
 
@@ -198,7 +201,7 @@ class DeliveryQueries(StoreBase):
         the block ends, rolls back when it raises."""
         with (
             translated("transactional delivery"),
-            self.pools.handlers().connection() as conn,
+            self.connection(self.pools.handlers()) as conn,
             conn.transaction(),
         ):
             row = conn.execute(

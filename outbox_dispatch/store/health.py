@@ -8,12 +8,26 @@ settles) still waits for it, since giving up there would run a finished row agai
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from outbox_dispatch.core.errors import DatabaseUnavailable
 from outbox_dispatch.core.forksafe import ForkSafeLock
+from outbox_dispatch.core.logs import event
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A fenced statement (a start, a settle) that finds the database not answering (a restart) is
+# tried again, the waits growing from the first to the most, for at most PATIENCE seconds: its
+# row goes on within RETRY_MOST of the database's return, not after its lease. Past it the
+# error is the caller's, and the row's lease brings it back.
+RETRY_FIRST = 0.25
+RETRY_MOST = 1.0
+PATIENCE = 60.0
 
 FIRST_BACKOFF = 1.0  # seconds new work waits after a failure before one call probes again
 MAX_BACKOFF = 10.0
@@ -106,3 +120,60 @@ class Breaker:
         if admission.probe:
             with self._lock:
                 self._probing = False
+
+
+class Outage:
+    """What this process has said about its database being unreachable: one WARNING when an
+    outage begins (a restart costs a few failed statements per process, not a line each) and
+    one INFO line when the database answers again."""
+
+    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.clock = clock
+        self.since: float | None = None
+
+    def failed(self, what: str, why: str) -> None:
+        first = self.since is None
+        if first:
+            self.since = self.clock()
+        event(
+            log,
+            logging.WARNING if first else logging.DEBUG,
+            "database_unreachable",
+            f"{what}: database {self.name!r} is not answering ({why}); waiting for it, "
+            "no row is lost",
+        )
+
+    def answered(self) -> None:
+        if self.since is None:
+            return
+        took, self.since = self.clock() - self.since, None
+        event(
+            log,
+            logging.INFO,
+            "database_back",
+            f"database {self.name!r} answers again after {took:.1f} s",
+        )
+
+
+def when_answering(
+    call: Callable[[], T],
+    outage: Outage,
+    what: str,
+    patience: float | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """``call()``, tried again while it fails with DatabaseUnavailable, for ``patience``
+    seconds (PATIENCE). Only for statements fenced by a claim token: running one again cannot
+    start or settle another claim's row."""
+    deadline = outage.clock() + (PATIENCE if patience is None else patience)
+    wait = RETRY_FIRST
+    while True:
+        try:
+            return call()
+        except DatabaseUnavailable as exc:
+            if exc.repeated or outage.clock() + wait > deadline:
+                raise
+            outage.failed(what, str(exc))
+            sleep(wait)
+            wait = min(wait * 2, RETRY_MOST)

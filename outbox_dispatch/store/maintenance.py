@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 
 from outbox_dispatch.core.cron import Schedule
-from outbox_dispatch.core.errors import MaintenanceFailed, OutboxError
+from outbox_dispatch.core.errors import DatabaseUnavailable, MaintenanceFailed, OutboxError
 from outbox_dispatch.core.logs import event
 from outbox_dispatch.core.policy import Family
 from outbox_dispatch.store import Store
@@ -47,6 +47,9 @@ class Maintenance:
         for fam in list(self.families.values()):
             try:  # one family's failure must not stop the others' maintenance
                 total = self._maintain(fam, size, max_batches, progress)
+            except DatabaseUnavailable as exc:  # a restart: said once, the next pass prunes
+                self.store.outage.failed("maintenance", str(exc))
+                return deleted
             except OutboxError as exc:
                 failed.append(fam.name)
                 event(

@@ -18,15 +18,42 @@ from outbox_dispatch.store.sqlfiles import raw_queries
 
 Conn = psycopg.Connection[Any]
 
-_POOL_FILTER = MaskDsnFilter()
+
+class _Reconnects(logging.Filter):
+    """psycopg_pool and psycopg warn once per connection they drop or fail to open, several
+    times a second while Postgres restarts; the store says an outage once (health.Outage), so
+    these lines are INFO. A dropped connection's line does not name its pool: another pool's
+    is INFO too. A pool that gives up reconnecting still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and _reconnect_noise(record.getMessage()):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def _reconnect_noise(message: str) -> bool:
+    return message.startswith(
+        (
+            "error connecting in 'outbox-",
+            "error connecting in 'handlers-",
+            "discarding closed connection",
+            "discarding broken connection",
+            "error ignored terminating <psycopg.Pipeline",
+        )
+    )
+
+
+_POOL_FILTERS = (MaskDsnFilter(), _Reconnects())
 
 
 def _mask_pool_logs() -> None:
     """psycopg_pool logs connection failures with the driver's message, which can quote the
     URL (and its password) it could not parse."""
-    pool_log = logging.getLogger("psycopg.pool")
-    if _POOL_FILTER not in pool_log.filters:
-        pool_log.addFilter(_POOL_FILTER)
+    for name in ("psycopg.pool", "psycopg"):
+        logger = logging.getLogger(name)
+        for f in _POOL_FILTERS:
+            if f not in logger.filters:
+                logger.addFilter(f)
 
 
 def _session(conn: Conn) -> None:

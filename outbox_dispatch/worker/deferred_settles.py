@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from uuid import UUID
 
 from outbox_dispatch.core import timings
@@ -33,6 +34,7 @@ from outbox_dispatch.core.logs import event
 from outbox_dispatch.core.rows import Started
 from outbox_dispatch.core.settle import SettleKind
 from outbox_dispatch.store import Store
+from outbox_dispatch.store.health import when_answering
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +215,16 @@ class DeferredSettles:
         """Settle a batch, one statement per kind; returns the refused rows."""
         refused: list[tuple[SettleKind, Started]] = []
         for kind, rows in by_kind(batch).items():
+            pairs = [(i, s.token) for i, s in rows]
             try:
-                settled = self.store.settle_many(kind, [(i, s.token) for i, s in rows])
+                settled = when_answering(
+                    partial(self.store.settle_many, kind, pairs),
+                    self.store.outage,
+                    "deferred settle",
+                )
             except OutboxError as exc:
-                # Postgres unreachable: the rows stay started and run again after their
-                # lease with maybe_applied, as after a worker killed before its settle
+                # Postgres did not come back in time: the rows stay started and run again
+                # after their lease with maybe_applied, as after a worker killed before its settle
                 event(
                     log,
                     logging.WARNING,

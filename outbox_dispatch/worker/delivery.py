@@ -33,6 +33,7 @@ from outbox_dispatch.core.settle import (
 )
 from outbox_dispatch.observe import metrics, tracing
 from outbox_dispatch.store import Store
+from outbox_dispatch.store.health import when_answering
 from outbox_dispatch.worker.deferred_settles import DeferredSettles, carried
 from outbox_dispatch.worker.heartbeat import Heartbeats, Running
 from outbox_dispatch.worker.messages import Result, parse_batch, parse_message, row_fields
@@ -115,23 +116,30 @@ class Delivery:
         family_hint: str | None = None,
         defer: bool = False,
         stop_at: float | None = None,
+        first_delivery: bool = False,
     ) -> list[Result]:
         """Deliver what a broker message names: one (id, token) pair or a batch of them.
         ``defer``: a worker hands eligible successes to the deferred settles. ``stop_at``:
         when Celery's soft time limit for the message fires (monotonic, ``wiring.soft_limit_at``);
-        a handler still running then did not return on its own, whatever it does with it."""
+        a handler still running then did not return on its own, whatever it does with it.
+        ``first_delivery``: no consumer had the message before (sql/deliver.sql)."""
         pair = parse_message(args)
         pairs = parse_batch(args) if pair is None else None
         if pair is not None:
+            one = partial(
+                self.deliver, *pair, family_hint=family_hint, defer=defer, stop_at=stop_at
+            )
             try:
-                results = [
-                    self.deliver(*pair, family_hint=family_hint, defer=defer, stop_at=stop_at)
-                ]
+                results = [one(first_delivery=first_delivery)]
             except StatementCancelled as exc:
                 results = [_cancelled(exc, pair[0], family_hint)]
         elif pairs is not None:
             results = self.deliver_batch(
-                pairs, family_hint=family_hint, defer=defer, stop_at=stop_at
+                pairs,
+                family_hint=family_hint,
+                defer=defer,
+                stop_at=stop_at,
+                first_delivery=first_delivery,
             )
         else:
             shown = repr(args)[:200]
@@ -149,6 +157,7 @@ class Delivery:
         family_hint: str | None = None,
         defer: bool = False,
         stop_at: float | None = None,
+        first_delivery: bool = False,
     ) -> list[Result]:
         """A batched message: its rows one after another, each exactly as if it had come in a
         message of its own (its own start, attempt, time limit, cap slot, settle).
@@ -164,24 +173,15 @@ class Delivery:
         # killed, so no second copy of it can start while it still runs.
         until = None if hard is None else time.monotonic() + hard * len(pairs)
         results: list[Result] = []
+        one = partial(self.deliver, family_hint=family_hint, defer=defer, stop_at=stop_at)
         for row_id, token in pairs:
             try:
-                results.append(
-                    self.deliver(
-                        row_id,
-                        token,
-                        family_hint=family_hint,
-                        defer=defer,
-                        renew_until=until,
-                        stop_at=stop_at,
-                    )
-                )
+                results.append(one(row_id, token, renew_until=until, first_delivery=first_delivery))
             except StatementCancelled as exc:  # the database answers: the rows after it run
                 results.append(_cancelled(exc, row_id, family_hint))
             except DatabaseError as exc:
-                # the database went down mid-message (or refuses this process's statements):
-                # the rows not started are claimed again after their lease, and the finished
-                # ones are still settled below; each row after it would wait for the same pool
+                # the database stayed down (a start waits for it) or refuses our statements: the
+                # rows not started are claimed again after their lease; the finished are settled
                 rest = pairs[len(results) :]
                 results += [Result(Outcome.STALE, i, str(exc)) for i, _ in rest]
                 break
@@ -217,6 +217,7 @@ class Delivery:
         defer: bool = False,
         renew_until: float | None = None,
         stop_at: float | None = None,
+        first_delivery: bool = False,
     ) -> Result:
         if stop_at is not None and time.monotonic() >= stop_at:
             # the message's time limit has passed (a row before it ran long): this row
@@ -225,7 +226,7 @@ class Delivery:
             why = "not started: the message's time limit had passed"
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id, family=family_hint)
             return Result(Outcome.STALE, row_id, why)
-        started = self._start(row_id, token, family_hint)
+        started = self._start(row_id, token, family_hint, first_delivery)
         family = None if started is None else self.families.get(started.family)
         held = None if started is None or family is None else self._check_slot(started, family)
         if started is None:
@@ -256,20 +257,24 @@ class Delivery:
             tracing.finish(span, result.outcome.value, result.detail)
         return result
 
-    def _start(self, row_id: int, token: UUID, family_hint: str | None) -> Started | None:
+    def _start(
+        self, row_id: int, token: UUID, family_hint: str | None, first_delivery: bool
+    ) -> Started | None:
         """The delivery start, carrying the settles of the rows delivered before it in this
         process (deferred_settles.py): one round trip, and they are settled before this row's
-        handler runs."""
+        handler runs. While the database is not answering (a restart) it is tried again, so the
+        row starts once it is back, not after its lease; with several databases (a breaker) a
+        down one fails at once, and this pool process serves the others' rows meanwhile."""
         pending = self.deferred.take_for_start()
         family = self.families.get(family_hint) if family_hint else None  # None: unknown
+        lease, flushed = self._run_lease_for(family), self.store.starts_flushed(family)
+        start = partial(self.store.start, row_id, token, lease, carried(pending), flushed=flushed)
+        start = partial(start, first_delivery=first_delivery)
         try:
-            started, settled = self.store.start(
-                row_id,
-                token,
-                self._run_lease_for(family),
-                carried(pending),
-                flushed=self.store.starts_flushed(family),
-            )
+            if self.store.breaker is None:
+                started, settled = when_answering(start, self.store.outage, "delivery start")
+            else:
+                started, settled = start()
         except BaseException:
             self.deferred.give_back(pending)
             raise

@@ -20,7 +20,7 @@ from typing import Any
 from uuid import UUID
 
 from outbox_dispatch.core import timings
-from outbox_dispatch.core.errors import OutboxError
+from outbox_dispatch.core.errors import DatabaseUnavailable, OutboxError
 from outbox_dispatch.core.forksafe import ForkSafeLock
 from outbox_dispatch.core.handlers import Context
 from outbox_dispatch.core.logs import event
@@ -126,6 +126,9 @@ class Heartbeats:
                         e.next_at = time.monotonic() + timings.HEARTBEAT_TICK
                     # anything else is a bug of ours: never let it end the thread, which
                     # renews every lease of this process
+                    if isinstance(exc, DatabaseUnavailable):  # said once an outage
+                        self.store.outage.failed("lease renewal", str(exc))
+                        continue
                     known = isinstance(exc, OutboxError)
                     level = logging.WARNING if known else logging.ERROR
                     event(log, level, "heartbeat_failed", str(exc) if known else repr(exc))

@@ -84,6 +84,22 @@ def test_a_start_a_crash_may_have_lost_waits_for_its_lease_and_runs_as_a_lost_at
     assert seen == [(2, True)]  # a new attempt, told the one before may have taken effect
 
 
+def test_a_first_delivery_of_a_claim_older_than_the_server_starts_at_once_unflagged(
+    dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
+) -> None:
+    """A message the broker delivers for the first time was never started under its token: a
+    Postgres restart between its claim and its start costs the row nothing (no lease waited,
+    no maybe_applied)."""
+    seen: list[tuple[int, bool]] = []
+    cmd = commands(family="quick", fn=_flags(seen))
+    row_id = _enqueue(dispatcher, database_url, cmd)
+    token = _claim_one(dispatcher, "quick")
+    _crash_lost_the_start(database_url, dispatcher.schema, row_id)
+    result = dispatcher.delivery.deliver(row_id, token, family_hint="quick", first_delivery=True)
+    assert result.outcome is Outcome.DELIVERED
+    assert seen == [(1, False)]
+
+
 def test_a_claim_older_than_the_server_counts_as_lost_when_it_lapses(
     dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
 ) -> None:
@@ -193,6 +209,7 @@ def test_either_the_claim_or_the_start_waits_for_the_flush(
                 "done": 0,
                 "done_token": uuid.uuid4(),
                 "flushed": flushed,
+                "first_delivery": False,
             },
         )
         start = conn.execute("SHOW synchronous_commit").fetchone()
