@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg.rows import dict_row
 
 from outbox_dispatch.core.errors import DatabaseError, InvalidArgument
 from outbox_dispatch.core.logs import mask_dsn
 from outbox_dispatch.core.rows import RowFilter
 from outbox_dispatch.operations import who
+from outbox_dispatch.store.connections import translated
 
 if TYPE_CHECKING:
     from outbox_dispatch.databases import Database
@@ -272,6 +274,28 @@ def bulk(
         action, selection, done + requested, by=by, reason=reason, database=database
     )
     return Bulk(count, [], done, requested, dry_run=False)
+
+
+def parked_matching(
+    dispatcher: Dispatcher, where: RowFilter, *, limit: int = 200, database: str | None = None
+) -> list[dict[str, Any]]:
+    """The parked rows ``where`` selects, with the parked list's columns, oldest parked first:
+    the first ``limit`` of each database (lowest ids), each naming its database. What the
+    outbox page lists under a selection's count, so the list holds only the rows it counts."""
+    found: list[dict[str, Any]] = []
+    for db in dispatcher.chosen_databases(database):
+        ids = [int(r["id"]) for r in db.store.matching(where, parked=True, limit=limit)]
+        if not ids:
+            continue
+        params = {"family": None, "ids": ids, "limit": limit}
+        with (
+            translated("parked list"),
+            db.store.connection() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            rows = cur.execute(db.store.q["parked_list"], params).fetchall()
+        found += [{"database": db.name, **row} for row in rows]
+    return found
 
 
 def _reachable(databases: list[Database]) -> bool:

@@ -116,6 +116,32 @@ def as_json(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 
+AUDIT_COLUMNS = [
+    ("at", "when"),
+    ("by", "who"),
+    ("action", "action"),
+    ("rows", "rows"),
+    ("selection", "selection"),
+    ("reason", "why"),
+]
+
+
+def audit_section(recent: Sequence[Mapping[str, Any]]) -> str:
+    """The latest operator actions: each time to the second, as every time on the page, and
+    each selection as compact JSON on one line (as ``outbox-dispatch audit`` shows it)."""
+    shown = [
+        {
+            **r,
+            "at": when(r["at"]),
+            "selection": json.dumps(r["selection"], ensure_ascii=False, default=str),
+        }
+        for r in recent
+    ]
+    return "<h3>recent operator actions</h3>" + (
+        table(shown, AUDIT_COLUMNS) if shown else "<p>none recorded</p>"
+    )
+
+
 FILTER_FIELDS = (
     ("family", "family"),
     ("command", "command"),
@@ -135,10 +161,11 @@ def filter_form(values: Mapping[str, str]) -> str:
     return f'<form method="get" action="/parked">{fields}<button>select</button></form>'
 
 
-def bulk_form(values: Mapping[str, str], count: int, token: str) -> str:
+def bulk_form(values: Mapping[str, str], count: int, token: str, listed: int) -> str:
     """What a selection matches and the buttons that act on all of it: the count is shown
     before anything is done, and acting takes a click on a button that names it; the form
-    carries that count, so a selection that has changed since is shown again, not acted on."""
+    carries that count, so a selection that has changed since is shown again, not acted on.
+    ``listed``: how many of those rows the list below shows (it is bounded)."""
     hidden = "".join(
         f'<input type="hidden" name="{name}" value="{esc(values[name])}">'
         for name, _label in FILTER_FIELDS
@@ -152,7 +179,8 @@ def bulk_form(values: Mapping[str, str], count: int, token: str) -> str:
         f"<button>{action} all {count} matching rows</button></form> "
         for action in ("retry", "purge")
     )
-    return f'<p class="msg warn">{count} parked rows match this selection. {buttons}</p>'
+    part = f" (the first {listed} are listed)" if listed < count else ""
+    return f'<p class="msg warn">{count} parked rows match this selection{part}. {buttons}</p>'
 
 
 def pause_forms(paused: Sequence[Mapping[str, Any]], families: Sequence[str], token: str) -> str:
@@ -160,7 +188,8 @@ def pause_forms(paused: Sequence[Mapping[str, Any]], families: Sequence[str], to
     token_field = f'<input type="hidden" name="token" value="{esc(token)}">'
     names = "".join(f"<option>{esc(f)}</option>" for f in families)
     columns = [("family", "family"), ("paused_at", "since"), ("reason", "why"), ("paused_by", "by")]
-    out = "<h3>paused families</h3>" + (table(paused, columns) if paused else "<p>none</p>")
+    shown = [{**p, "paused_at": when(p["paused_at"])} for p in paused]  # to the second
+    out = "<h3>paused families</h3>" + (table(shown, columns) if shown else "<p>none</p>")
     out += (
         f'<form method="post" action="/pause">{token_field}<select name="family">{names}</select>'
         ' <input name="reason" placeholder="why" size="30"> <button>pause</button></form>'

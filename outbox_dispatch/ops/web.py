@@ -32,6 +32,7 @@ from outbox_dispatch.ops.html import (
     STYLE,
     Page,
     as_json,
+    audit_section,
     bulk_form,
     esc,
     filter_form,
@@ -49,15 +50,6 @@ if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
-
-AUDIT_COLUMNS = [
-    ("at", "when"),
-    ("by", "who"),
-    ("action", "action"),
-    ("rows", "rows"),
-    ("selection", "selection"),
-    ("reason", "why"),
-]
 
 STATUS_COLUMNS = [
     ("family", "family"),
@@ -205,10 +197,7 @@ class WebApp:
         else:
             columns, link = STATUS_COLUMNS, {"parked": "/parked?family={family}"}
         body = search_form() + table(rows, columns, link) + self._pause_forms()
-        recent = self.dispatcher.ops.audit_log(limit=20)
-        body += "<h3>recent operator actions</h3>" + (
-            table(recent, AUDIT_COLUMNS) if recent else "<p>none recorded</p>"
-        )
+        body += audit_section(self.dispatcher.ops.audit_log(limit=20))
         return Page("status", body, self._message(params))
 
     def _pause_forms(self) -> str:
@@ -245,7 +234,16 @@ class WebApp:
     def parked(self, params: dict[str, list[str]]) -> Page:
         family = first(params, "family") or None
         db = self._database(params)
-        rows = self.dispatcher.ops.parked_list(family=family, limit=200, database=db)
+        values = {name: first(params, name) for name, _label in FILTER_FIELDS}
+        selection = filter_form(values)
+        if any(values[name] for name in ("command", "actor", "error", "older")):
+            # a selection: its count, and only the rows it counts listed (bounded as the list is)
+            chosen = self._filter(values)
+            count = actions.bulk(self.dispatcher, "retry", chosen, dry_run=True, database=db).count
+            rows = actions.parked_matching(self.dispatcher, chosen, limit=200, database=db)
+            selection += bulk_form(values, count, self.token(), len(rows))
+        else:
+            rows = self.dispatcher.ops.parked_list(family=family, limit=200, database=db)
         if not rows:
             body = "<p>no parked rows</p>"
         else:
@@ -265,13 +263,6 @@ class WebApp:
                     f"{self._button('/purge', r['id'], 'purge', r['database'])}</td></tr>"
                 )
             body += "</table>"
-        values = {name: first(params, name) for name, _label in FILTER_FIELDS}
-        selection = filter_form(values)
-        if any(values[name] for name in ("command", "actor", "error", "older")):
-            count = actions.bulk(
-                self.dispatcher, "retry", self._filter(values), dry_run=True, database=db
-            ).count
-            selection += bulk_form(values, count, self.token())
         title = f"parked rows of {family}" if family else "parked rows"
         return Page(title, selection + body, self._message(params))
 

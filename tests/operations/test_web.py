@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -223,3 +224,86 @@ def test_a_read_only_credential_sees_everything_and_acts_on_nothing(
     assert count_rows(database_url, schema, f"id = {row}") == 1 and dispatcher.ops.paused() == []
     status, _, _ = call(app, "POST", "/purge", form={"id": row, "token": app.token()})
     assert status.startswith("303")  # the operator's credential acts
+
+
+def _parked_as(
+    database_url: str, schema: str, command: str, actor: str, error: str, age: str
+) -> int:
+    """A parked row of ``quick`` with its own command, actor, last error and time parked."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        row = conn.execute(
+            f'INSERT INTO "{schema}".outbox (family, command, payload, parked_at, attempts,'
+            " last_error, actor) VALUES ('quick', %s, '{}', now() - %s::interval, 2, %s, %s)"
+            " RETURNING id",
+            (command, age, error, actor),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _listed(page: str) -> set[int]:
+    """The row ids the parked list shows (each has its retry button)."""
+    return {int(n) for n in re.findall(r">retry row (\d+)</button>", page)}
+
+
+def test_the_parked_list_under_a_selection_shows_only_the_rows_it_counts(
+    web: WebApp, database_url: str, schema: str
+) -> None:
+    relay = _parked(database_url, schema, 3)  # t.web, shop:1, "ConnectionError: <b>down</b>"
+    other_error = _parked_as(
+        database_url, schema, "t.web", "shop:1", "ValueError: no address", "0s"
+    )
+    other_command = _parked_as(database_url, schema, "t.other", "shop:1", "ConnectionError", "0s")
+    other_actor = _parked_as(database_url, schema, "t.web", "shop:2", "ConnectionError", "0s")
+    old = _parked_as(database_url, schema, "t.web", "shop:2", "ConnectionError", "2 hours")
+    everything = {*relay, other_error, other_command, other_actor, old}
+    _, _, page = call(web, "GET", "/parked", query="family=quick")
+    assert _listed(page) == everything  # no selection: the family's parked rows
+    for query, matching in (
+        ("family=quick&error=down", set(relay)),
+        ("family=quick&error=ConnectionError", everything - {other_error}),
+        ("family=quick&command=t.other", {other_command}),
+        ("family=quick&actor=shop:2", {other_actor, old}),
+        ("family=quick&older=60", {old}),
+        ("family=quick&command=t.web&actor=shop:1&error=Connection", set(relay)),
+        ("family=quick&error=nothing+like+it", set()),
+    ):
+        _, _, page = call(web, "GET", "/parked", query=query)
+        assert f"{len(matching)} parked rows match this selection." in page, query
+        assert _listed(page) == matching, query  # the count and the list agree
+    # the list stays bounded, and says so when the selection matches more than it shows
+    many = set(_parked(database_url, schema, 205))
+    _, _, page = call(web, "GET", "/parked", query="error=down")
+    assert "208 parked rows match this selection (the first 200 are listed)." in page
+    listed = _listed(page)
+    assert len(listed) == 200 and listed <= many | set(relay)
+
+
+def test_the_audit_section_shows_selections_as_json_and_times_to_the_second(
+    web: WebApp, dispatcher: Dispatcher, database_url: str, schema: str
+) -> None:
+    _parked(database_url, schema, 2)
+    form = {"action": "retry", "family": "quick", "error": "<b>down", "token": web.token()}
+    status, _, _ = call(web, "POST", "/bulk", form=form)
+    assert status.startswith("303")
+    pause = {"family": "quick", "reason": "relay down", "token": web.token()}
+    try:
+        assert call(web, "POST", "/pause", form=pause)[0].startswith("303")
+        _, _, page = call(web, "GET", "/")
+        [paused] = dispatcher.ops.paused()
+    finally:
+        dispatcher.ops.resume("quick")
+    # the selection: compact JSON, escaped; no Python repr
+    assert (
+        "<td>{&quot;filter&quot;: {&quot;error&quot;: &quot;&lt;b&gt;down&quot;, "
+        "&quot;family&quot;: &quot;quick&quot;}}</td>" in page  # jsonb's key order
+    )
+    assert "<td>{&quot;family&quot;: &quot;quick&quot;}</td>" in page
+    assert "{'filter'" not in page and "{'family'" not in page and "<b>down" not in page
+    # the paused family's since and the actions' times: to the second, as the page's other times
+    since = paused["paused_at"]
+    assert f"<td>{since.isoformat(timespec='seconds')}</td>" in page
+    assert str(since) not in page and since.isoformat() not in page
+    for entry in dispatcher.ops.audit_log(limit=2):
+        assert f"<td>{entry['at'].isoformat(timespec='seconds')}</td>" in page
+    assert not re.search(r"\d\d:\d\d:\d\d\.\d+", page)  # no fractions of a second anywhere

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -192,6 +193,7 @@ def test_an_operator_reads_a_traceback_pauses_acts_on_a_selection_and_reads_the_
     paused = browser.find_element(By.XPATH, "//h3[text()='paused families']/following::table[1]")
     assert "kept" in paused.text and "relay down" in paused.text
     assert "outbox page: ops" in paused.text
+    assert re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00 relay down", paused.text)
     assert "PAUSED" in browser.find_element(By.XPATH, "//table[1]").text
 
     # select the parked rows by error text: the count first, nothing done until confirmed
@@ -202,6 +204,9 @@ def test_an_operator_reads_a_traceback_pauses_acts_on_a_selection_and_reads_the_
     browser.find_element(By.XPATH, f"{selection}//button[text()='select']").click()
     _wait_for(lambda: "4 parked rows match this selection" in browser.page_source)
     assert count_rows(url, schema, "family = 'kept' AND parked_at IS NOT NULL") == 5
+    listed = browser.find_element(By.XPATH, "//table[1]").text  # the 4 it counts, no other
+    assert all(f"retry row {r}" in listed for r in relay) and f"row {other}" not in listed
+    assert "no address" not in listed
     confirm = browser.find_element(By.XPATH, "//button[text()='retry all 4 matching rows']")
     assert browser.find_element(By.XPATH, "//button[text()='purge all 4 matching rows']")
     if shots:
@@ -255,6 +260,10 @@ def test_an_operator_reads_a_traceback_pauses_acts_on_a_selection_and_reads_the_
     ]
     assert all("outbox page: ops" in line.text for line in lines)
     assert "mail relay" in lines[1].text and "relay down" in lines[2].text
+    selections = [line.find_elements(By.TAG_NAME, "td")[4].text for line in lines]
+    assert selections[1] == '{"filter": {"error": "mail relay"}}'  # JSON, not a Python repr
+    assert selections[0] == selections[2] == '{"family": "kept"}'
+    assert not any(re.search(r":\d\d\.\d", line.text) for line in lines)  # to the second
     assert lines[1].find_elements(By.TAG_NAME, "td")[3].text == "5"
     if shots:
         title = browser.find_element(By.XPATH, "//h3[text()='recent operator actions']")
