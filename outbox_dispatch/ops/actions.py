@@ -11,13 +11,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg.rows import dict_row
 
 from outbox_dispatch.core.errors import DatabaseError, InvalidArgument
 from outbox_dispatch.core.logs import mask_dsn
 from outbox_dispatch.core.rows import RowFilter
 from outbox_dispatch.operations import who
-from outbox_dispatch.store.connections import translated
 
 if TYPE_CHECKING:
     from outbox_dispatch.databases import Database
@@ -287,13 +285,7 @@ def parked_matching(
         ids = [int(r["id"]) for r in db.store.matching(where, parked=True, limit=limit)]
         if not ids:
             continue
-        params = {"family": None, "ids": ids, "limit": limit}
-        with (
-            translated("parked list"),
-            db.store.connection() as conn,
-            conn.cursor(row_factory=dict_row) as cur,
-        ):
-            rows = cur.execute(db.store.q["parked_list"], params).fetchall()
+        rows = db.store.parked_list(ids=ids, limit=limit)
         found += [{"database": db.name, **row} for row in rows]
     return found
 

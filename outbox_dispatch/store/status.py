@@ -52,14 +52,15 @@ class StatusQueries(StoreBase):
         )
 
     def parked_list(
-        self, *, family: str | None = None, limit: int | None = 100
+        self, *, family: str | None = None, limit: int | None = 100, ids: list[int] | None = None
     ) -> list[dict[str, Any]]:
+        """Parked rows, oldest parked first: of ``family``, or those of ``ids`` (None: any)."""
         with (
             translated("parked list"),
             self._starting() as conn,
             conn.cursor(row_factory=dict_row) as cur,
         ):
-            params = {"family": family, "limit": limit, "ids": None}
+            params = {"family": family, "limit": limit, "ids": ids}
             return cur.execute(self.q["parked_list"], params).fetchall()
 
     def parked_retry(
