@@ -380,6 +380,11 @@ def result_of(run: CellRun, report: Report) -> CellResult:
             f" rows unsettled at +{run.settle_limit:g} s; limit {run.settle_limit:g} s)"
         )
     dup_txn, dup_other = report.dup_txn, report.dup_other
+    if report.crashes:
+        run.notes.append(
+            f"{len(report.crashes)} processes exited on their own and were restarted:"
+            f" {'; '.join(report.crashes[:3])}"
+        )
     errors = error_lines(run.logdir)
     if errors:
         run.notes.append(f"{len(errors)} ERROR log lines, the first: {errors[0][:300]}")
