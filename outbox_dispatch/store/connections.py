@@ -164,10 +164,13 @@ class StoreBase:
         self.q = queries_for(self.schema, self._clock_offset)
 
     @contextmanager
-    def connection(self, pool: ConnectionPool | None = None) -> Iterator[Conn]:
-        """A connection of the main pool (or of ``pool``), given back when the block ends."""
+    def connection(
+        self, pool: ConnectionPool | None = None, timeout: float | None = None
+    ) -> Iterator[Conn]:
+        """A connection of the main pool (or of ``pool``, waiting at most ``timeout`` seconds
+        for one; None: the pool's own 30 s), given back when the block ends."""
         pool = self.pools.main() if pool is None else pool
-        conn = self.live(pool)
+        conn = self.live(pool, timeout)
         try:
             with conn:
                 yield conn

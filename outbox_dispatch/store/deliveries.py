@@ -14,6 +14,12 @@ from outbox_dispatch.store.connections import StoreBase, pipelined_transaction, 
 from outbox_dispatch.store.ordered import actor_lock
 from outbox_dispatch.store.pool import Conn
 
+# Seconds a transactional handler waits for a connection of the handlers' pool before its row
+# goes back uncounted for another worker (worker/delivery.py): a worker whose pool, or whose
+# share of Postgres's connections, is used up would otherwise hold a started row for the
+# pool's 30 s and then spend an attempt on it.
+HANDLER_CONNECTION_WAIT = 5.0
+
 
 class DeliveryQueries(StoreBase):
     """Starts, renewals and settles (sql/deliver.sql, sql/settle.sql)."""
@@ -201,7 +207,7 @@ class DeliveryQueries(StoreBase):
         the block ends, rolls back when it raises."""
         with (
             translated("transactional delivery"),
-            self.connection(self.pools.handlers()) as conn,
+            self.connection(self.pools.handlers(), HANDLER_CONNECTION_WAIT) as conn,
             conn.transaction(),
         ):
             row = conn.execute(

@@ -16,7 +16,12 @@ from uuid import UUID
 
 from outbox_dispatch.caps.semaphore import Caps
 from outbox_dispatch.claim.runstats import RunTimes
-from outbox_dispatch.core.errors import DatabaseError, PermanentFailure, StatementCancelled
+from outbox_dispatch.core.errors import (
+    DatabaseError,
+    DatabaseUnavailable,
+    PermanentFailure,
+    StatementCancelled,
+)
 from outbox_dispatch.core.handlers import Context, HandlerFn, Registry
 from outbox_dispatch.core.logs import event
 from outbox_dispatch.core.policy import CapRule, Family, cap_rule
@@ -168,9 +173,8 @@ class Delivery:
         claimed again, uncounted, after their lease."""
         family = self.families.get(family_hint or "")
         hard = None if family is None else family.hard_time_limit()
-        # Celery's hard limit for the message is the rows' limits added up (claim/publisher.py): a
-        # row past its own hard limit keeps its lease until then, when the pool process is
-        # killed, so no second copy of it can start while it still runs.
+        # Celery's hard limit for the message is the rows' limits added up (claim/publisher.py):
+        # a row past its own keeps its lease until then, so no second copy starts while it runs
         until = None if hard is None else time.monotonic() + hard * len(pairs)
         results: list[Result] = []
         one = partial(self.deliver, family_hint=family_hint, defer=defer, stop_at=stop_at)
@@ -384,6 +388,7 @@ class Delivery:
         token, or not at all: exactly-once effects for work that stays in Postgres."""
         t0 = time.perf_counter()
         ctx = running.ctx
+        ran = False
         try:
             with self.store.handler_transaction(started.id, started.token) as held:
                 if held is None:  # the claim no longer holds
@@ -394,6 +399,7 @@ class Delivery:
                 if cancel:
                     raise _Cancelled()
                 ctx.conn = conn
+                ran = True
                 returned = fn(ctx, started.payload)
                 if inspect.isawaitable(returned):  # rolled back, and parked as below
                     raise PermanentFailure(never_awaited(returned))
@@ -415,6 +421,8 @@ class Delivery:
                 started, family, after_failure(family, started.attempts, self.rand(), error)
             )
         except Exception as exc:
+            if not ran and isinstance(exc, DatabaseUnavailable):  # no connection for it
+                return self.settler.hand_back_unrun(started, family, exc)
             return self.settler.finish(
                 started, family, after_exception(started, family, exc, running, self.rand)
             )

@@ -46,6 +46,16 @@ class Settler:
         self.families = families
         self.slots = slots
 
+    def hand_back_unrun(self, started: Started, family: Family, exc: Exception) -> Result:
+        """A transactional handler that got no connection of its own (the handlers' pool, or
+        Postgres, ran out of them) never ran: its row goes back uncounted, due now, for a
+        worker that has one, rather than spending an attempt."""
+        self.store.handback(started.id, started.token)
+        self.slots.release(started, family)
+        self.slots.on_slot_freed(family.name, self.slots.caps_database)  # claim it now
+        event(log, logging.WARNING, "handed_back", f"{exc}; not run", **row_fields(started))
+        return Result(Outcome.STALE, started.id, str(exc))
+
     def failed_checks(self, started: Started, family: Family | None) -> Result:
         """The checks before a handler runs, for rows that fail them."""
         if family is None:

@@ -29,7 +29,7 @@ from outbox_dispatch import (
     Outcome,
 )
 from outbox_dispatch.core.rows import Claimed
-from outbox_dispatch.store import health
+from outbox_dispatch.store import deliveries, health
 from tests.conftest import count_rows
 from tests.support.faultproxy import FaultProxy
 
@@ -500,3 +500,37 @@ def test_a_holder_cut_off_from_redis_stops_before_its_slot_can_go_to_another_row
     )
     assert outcome == [Outcome.RETRIED]
     assert count_rows(database_url, schema, f"id = {first} AND maybe_applied") == 1
+
+
+# -- no connection for a transactional handler --------------------------------------------------
+
+
+def test_a_transactional_row_whose_worker_has_no_connection_for_it_goes_back_uncounted(
+    monkeypatch: pytest.MonkeyPatch,
+    make_dispatcher: Callable[..., Dispatcher],
+    database_url: str,
+    schema: str,
+) -> None:
+    """A worker whose handlers' pool (or share of Postgres's connections) is used up: the
+    transactional handler never runs, and its row is due again at once for another worker,
+    its attempt not spent (it would otherwise wait the pool's 30 s and count as a failure)."""
+    d = make_dispatcher(database_url, handler_pool_size=1)
+    monkeypatch.setattr(deliveries, "HANDLER_CONNECTION_WAIT", 0.5)
+    ran: list[int] = []
+    cmd = f"fault.{uuid.uuid4().hex[:6]}"
+    d.handler(cmd, family="intent", transactional=True)(lambda ctx, p: ran.append(ctx.row_id))
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        row_id = d.enqueue(conn, cmd, {})
+    [claimed] = d.claimer.claim_family(d.families["intent"]).claimed
+    with d.store.pools.handlers().connection():  # the pool's only connection, taken
+        result = d.delivery.deliver(claimed.id, claimed.token, family_hint="intent")
+    assert result.outcome is Outcome.STALE and ran == []
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            f'SELECT attempts, claim_token, started_at, due_at <= now() FROM "{schema}".outbox'
+            " WHERE id = %s",
+            (row_id,),
+        ).fetchone()
+    assert row == (0, None, None, True)
+    assert d.drain(timeout=5).delivered == 1  # a worker with a connection runs it
+    assert ran == [row_id]

@@ -104,12 +104,11 @@ def test_pg_backend_kill(services: Services, tmp_path: Path) -> None:
 
 @pytest.mark.xfail(
     strict=False,
-    reason="product defect: with the workers' connections exhausted, a transactional handler"
-    " cannot get its connection from the handlers pool: each attempt holds its started row for"
-    " psycopg_pool's 30 s timeout, then counts as a handler failure (DatabaseUnavailable,"
-    " retried after backoff, an attempt spent), so no transactional row settles while the"
-    " exhaustion lasts (other families do); rows are late past 2 x max(lease, heartbeat"
-    " timeout)",
+    reason="open defect: the joined workers' main pools take the sessions the role may open, so"
+    " no worker (the ones that were there before included) can open a connection of its"
+    " handlers' pool: transactional rows go back uncounted every 5 s (they no longer spend an"
+    " attempt) but cannot run until sessions free; the other families run. A transactional"
+    " handler that could borrow its worker's main-pool connection would not need one more",
 )
 def test_pool_exhaustion(services: Services, tmp_path: Path) -> None:
     r = cell(services, "pool_exhaustion", tmp_path)
