@@ -103,7 +103,7 @@ def test_pg_backend_kill(services: Services, tmp_path: Path) -> None:
 
 
 @pytest.mark.xfail(
-    strict=False,
+    run=False,  # it fails, after the full settle wait: `scripts/chaos --matrix` shows the cell
     reason="open defect: the joined workers' main pools take the sessions the role may open, so"
     " no worker (the ones that were there before included) can open a connection of its"
     " handlers' pool: transactional rows go back uncounted every 5 s (they no longer spend an"
