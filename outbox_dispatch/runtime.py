@@ -101,12 +101,12 @@ class Runtime:
         return out
 
     def warm_up(self) -> None:
-        """A pool process opens its connection pools (in the background) and creates its
+        """A pool process opens its connection pool (in the background) and creates its
         metrics as it starts, so that its first delivery waits for neither."""
         metrics.warm()
         for db in self.dispatcher.databases.values():
             try:
-                db.store.pools.main()
+                db.store.pool.get()
             except Exception as exc:  # the first delivery connects (and reports) instead
                 event(log, logging.DEBUG, "pool_open_failed", repr(exc))
 

@@ -53,8 +53,9 @@ class Settings:
         interval("claim_interval", self.claim_interval)
         interval("prune_interval", self.prune_interval)
         retention_seconds(self.audit_retention)
-        for name in ("claim_batch", "prune_batch", "pool_size", "handler_pool_size"):
+        for name in ("claim_batch", "prune_batch", "pool_size"):
             require_whole(name, getattr(self, name))
+        require_whole("handler_pool_size", self.handler_pool_size, 0)  # 0: no room beyond
         require_whole("payload_limit", self.payload_limit, 2)
         require_whole("consumers", self.consumers, optional=True)
         for name in ("listen", "flushed_starts"):

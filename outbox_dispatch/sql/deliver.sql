@@ -73,6 +73,12 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(progress)s::jsonb[])
 WHERE o.id = p.id AND o.claim_token = p.token AND o.due_at > now()
 RETURNING o.id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id = o.id);
 
+-- name: deliver_commit_as_configured
+-- A transactional handler's transaction commits as the server's, role's or URL's
+-- synchronous_commit says, not as the pool's sessions do (session_commits_flush): its effects
+-- and its row's settle are kept or lost together, so a lost commit runs the row again, whole.
+SET LOCAL synchronous_commit TO DEFAULT;
+
 -- name: deliver_check_claim
 -- A transactional handler's first statement: its claim still holds, and whether a cancel is
 -- pending. The row is not locked: the heartbeat renews its lease from another connection like

@@ -1,19 +1,19 @@
 -- The outbox's own Postgres sessions: what their statements rely on, set once per new
--- connection (store/pool.py for the main and handlers' pools, claim/listener.py for the commit
--- listener), whatever the server's, role's or URL's defaults. The user's own connections keep
+-- connection (store/pool.py for the pool, claim/listener.py for the commit listener),
+-- whatever the server's, role's or URL's defaults. The user's own connections keep
 -- the user's settings.
 
 -- name: session_commits_flush
--- A main-pool session's commits wait for the disk: locally where the server's (or the role's,
+-- A pooled session's commits wait for the disk: locally where the server's (or the role's,
 -- or the URL's) default flushes nothing, else as that default says (a synchronous standby is
 -- waited for too). Run once per new connection (store/pool.py).
 SELECT set_config('synchronous_commit', 'local', false)
 WHERE current_setting('synchronous_commit') = 'off';
 
 -- name: session_defaults
--- What the statements of every session of our pools (the main one and the handlers') and of
--- the commit listener rely on, whatever the server's (or the role's, or the URL's) defaults;
--- run once per new connection (store/pool.py, claim/listener.py):
+-- What the statements of every session of our pool and of the commit listener rely on,
+-- whatever the server's (or the role's, or the URL's) defaults; run once per new connection
+-- (store/pool.py, claim/listener.py):
 -- - statements outside a transaction block read committed too: under REPEATABLE READ a lone
 --   UPDATE (a start, a settle) fails on a row another session changed meanwhile (transaction
 --   blocks begin READ COMMITTED from psycopg: a claim counts in flight after the family's

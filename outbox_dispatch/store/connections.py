@@ -26,7 +26,7 @@ from outbox_dispatch.store.health import (
     Outage,
     liveness_options,
 )
-from outbox_dispatch.store.pool import Conn, Pools
+from outbox_dispatch.store.pool import Conn, ProcessPool
 from outbox_dispatch.store.sqlfiles import queries_for
 
 
@@ -144,12 +144,12 @@ class StoreBase:
         self._clock_offset = 0.0
         self.q = queries_for(schema)
         self.channel = wake_channel(schema)
-        self.pools = Pools(
+        self.pool = ProcessPool(
             database_url,
             schema,
             pool_size=pool_size,
             handler_pool_size=handler_pool_size,
-            main_options=liveness_options(database_url) if breaker is not None else None,
+            options=liveness_options(database_url) if breaker is not None else None,
         )
 
     @property
@@ -164,12 +164,10 @@ class StoreBase:
         self.q = queries_for(self.schema, self._clock_offset)
 
     @contextmanager
-    def connection(
-        self, pool: ConnectionPool | None = None, timeout: float | None = None
-    ) -> Iterator[Conn]:
-        """A connection of the main pool (or of ``pool``, waiting at most ``timeout`` seconds
-        for one; None: the pool's own 30 s), given back when the block ends."""
-        pool = self.pools.main() if pool is None else pool
+    def connection(self, timeout: float | None = None) -> Iterator[Conn]:
+        """A connection of the process's pool, waiting at most ``timeout`` seconds for one
+        (None: the pool's own 30 s), given back when the block ends."""
+        pool = self.pool.get()
         conn = self.live(pool, timeout)
         try:
             with conn:
@@ -202,7 +200,7 @@ class StoreBase:
                 yield conn
             return
         admission = self.breaker.admit()
-        pool = self.pools.main()
+        pool = self.pool.get()
         try:
             conn = self.live(pool, timeout=admission.timeout)
         except PoolTimeout as exc:
@@ -249,4 +247,4 @@ class StoreBase:
         return True
 
     def close(self) -> None:
-        self.pools.close()
+        self.pool.close()

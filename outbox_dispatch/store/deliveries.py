@@ -14,10 +14,10 @@ from outbox_dispatch.store.connections import StoreBase, pipelined_transaction, 
 from outbox_dispatch.store.ordered import actor_lock
 from outbox_dispatch.store.pool import Conn
 
-# Seconds a transactional handler waits for a connection of the handlers' pool before its row
-# goes back uncounted for another worker (worker/delivery.py): a worker whose pool, or whose
-# share of Postgres's connections, is used up would otherwise hold a started row for the
-# pool's 30 s and then spend an attempt on it.
+# Seconds a transactional handler waits for a connection before its row goes back uncounted
+# for another worker (worker/delivery.py): a worker whose pool, or whose share of Postgres's
+# connections, is used up would otherwise hold a started row for the pool's 30 s and then
+# spend an attempt on it.
 HANDLER_CONNECTION_WAIT = 5.0
 
 
@@ -201,15 +201,17 @@ class DeliveryQueries(StoreBase):
 
     @contextmanager
     def handler_transaction(self, row_id: int, token: UUID) -> Iterator[tuple[Conn, bool] | None]:
-        """A transaction for a transactional handler, on a connection of the handlers' own
-        pool (a long handler must not starve heartbeats and settles of connections): yields
-        (connection, cancel requested), or None when the claim no longer holds. Commits when
-        the block ends, rolls back when it raises."""
+        """A transaction for a transactional handler: yields (connection, cancel requested),
+        or None when the claim no longer holds. Commits when the block ends, rolls back when
+        it raises. Its commit waits for the disk as the user's settings say, not as the
+        pool's other writes do: the handler's effects and the row's settle are kept or lost
+        together."""
         with (
             translated("transactional delivery"),
-            self.connection(self.pools.handlers(), HANDLER_CONNECTION_WAIT) as conn,
+            self.connection(HANDLER_CONNECTION_WAIT) as conn,
             conn.transaction(),
         ):
+            conn.execute(self.q["deliver_commit_as_configured"])
             row = conn.execute(
                 self.q["deliver_check_claim"], {"id": row_id, "token": token}
             ).fetchone()

@@ -40,7 +40,7 @@ NEW_WORK_TIMEOUT = 3.0
 PROBE_CONNECT_TIMEOUT = 2  # seconds that connection of its own may take (libpq: whole seconds)
 
 
-# libpq settings of the main pool's connections with several databases, where the URL does not
+# libpq settings of the pool's connections with several databases, where the URL does not
 # set them: a database cut off without a hang-up (a silent partition) fails its statements in
 # about ten seconds instead of hanging a claim pass (or a pool process) for the OS's minutes
 LIVENESS = {

@@ -1,7 +1,9 @@
-"""Connection pools, opened lazily and rebuilt after a fork: Celery's prefork children must not
-share their parent's sockets. Two per process: the main pool (claims, starts, heartbeats,
-settles: short statements) and the handlers' pool (transactional handlers' transactions,
-which last as long as the handler), so a long handler never starves the others."""
+"""The connection pool of a process, opened lazily and rebuilt after a fork: Celery's prefork
+children must not share their parent's sockets. One per process and database: claims, starts,
+heartbeats and settles (short statements) and transactional handlers' transactions take their
+connections from it, so a delivery needs one session, the one its start used. Its size is
+``pool_size`` plus ``handler_pool_size``: room for the handlers' transactions on top of the short
+statements, so long handlers do not starve heartbeats."""
 
 from __future__ import annotations
 
@@ -35,7 +37,6 @@ def _reconnect_noise(message: str) -> bool:
     return message.startswith(
         (
             "error connecting in 'outbox-",
-            "error connecting in 'handlers-",
             "discarding closed connection",
             "discarding broken connection",
             "error ignored terminating <psycopg.Pipeline",
@@ -75,18 +76,21 @@ def _session(conn: Conn) -> None:
     conn.execute(q["session_defaults"])
 
 
-def _main_session(conn: Conn) -> None:
-    """The main pool's sessions: as every pool's (``_session``), and commits that wait for the
-    disk, locally where the default is ``synchronous_commit=off``: a retry, park, cancel or
+def _pooled_session(conn: Conn) -> None:
+    """The pool's sessions: as every session of ours (``_session``), and commits that wait for
+    the disk, locally where the default is ``synchronous_commit=off``: a retry, park, cancel or
     ordered settle lost in a crash of Postgres would run its row again. The writes that need
-    not wait say so per transaction (settle_without_flush, and the claim or the start,
-    whichever does not flush: docs/guarantees.md)."""
+    not wait say so per transaction (settle_without_flush, the claim or the start, whichever
+    does not flush: docs/guarantees.md, and a transactional handler's, which commits as the
+    user's settings say)."""
     q = raw_queries()
     _session(conn)
     conn.execute(q["session_commits_flush"])
 
 
-class Pools:
+class ProcessPool:
+    """The pool of the current process (the parent's is dropped, unclosed, after a fork)."""
+
     def __init__(
         self,
         database_url: str,
@@ -94,48 +98,39 @@ class Pools:
         *,
         pool_size: int = 4,
         handler_pool_size: int = 32,
-        main_options: dict[str, str] | None = None,
+        options: dict[str, str] | None = None,
     ) -> None:
         self.database_url = database_url
         self.schema = schema
-        self.main_options = main_options or {}  # libpq settings of the main pool only
-        self._sizes = {"outbox": (1, pool_size), "handlers": (0, handler_pool_size)}
-        self._pools: dict[str, ConnectionPool] = {}
+        self.options = options or {}  # libpq settings of its connections
+        self.max_size = pool_size + handler_pool_size
+        self._pool: ConnectionPool | None = None
         self._pid = 0
         self._lock = ForkSafeLock()
 
-    def main(self) -> ConnectionPool:
-        return self._get("outbox")
-
-    def handlers(self) -> ConnectionPool:
-        return self._get("handlers")
-
-    def _get(self, role: str) -> ConnectionPool:
-        pool = self._pools.get(role) if self._pid == os.getpid() else None
+    def get(self) -> ConnectionPool:
+        pool = self._pool if self._pid == os.getpid() else None
         if pool is not None:
             return pool
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's pools are not ours
-                self._pools = {}
+            if self._pid != os.getpid():  # a forked child: the parent's pool is not ours
+                self._pool = None
                 self._pid = os.getpid()
-            if role not in self._pools:
+            if self._pool is None:
                 _mask_pool_logs()
-                low, high = self._sizes[role]
-                extra = self.main_options if role == "outbox" else {}
-                self._pools[role] = ConnectionPool(
+                self._pool = ConnectionPool(
                     self.database_url,
-                    min_size=low,
-                    max_size=high,
-                    kwargs={"autocommit": True, **extra},
-                    configure=_main_session if role == "outbox" else _session,
+                    min_size=1,
+                    max_size=self.max_size,
+                    kwargs={"autocommit": True, **self.options},
+                    configure=_pooled_session,
                     open=True,
-                    name=f"{role}-{self.schema}",
+                    name=f"outbox-{self.schema}",
                 )
-            return self._pools[role]
+            return self._pool
 
     def close(self) -> None:
         with self._lock:
-            if self._pid == os.getpid():
-                for pool in self._pools.values():
-                    pool.close()
-            self._pools = {}
+            if self._pid == os.getpid() and self._pool is not None:
+                self._pool.close()
+            self._pool = None

@@ -47,7 +47,7 @@ class Settler:
         self.slots = slots
 
     def hand_back_unrun(self, started: Started, family: Family, exc: Exception) -> Result:
-        """A transactional handler that got no connection of its own (the handlers' pool, or
+        """A transactional handler that got no connection for its transaction (its pool, or
         Postgres, ran out of them) never ran: its row goes back uncounted, due now, for a
         worker that has one, rather than spending an attempt."""
         self.store.handback(started.id, started.token)

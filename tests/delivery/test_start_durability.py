@@ -220,15 +220,18 @@ def test_either_the_claim_or_the_start_waits_for_the_flush(
 
 @pytest.mark.parametrize("server", ["on", "remote_apply", "off"])
 def test_settles_wait_for_the_disk_even_where_the_servers_default_flushes_nothing(
-    server: str, dispatcher: Dispatcher, database_url: str
+    server: str, dispatcher: Dispatcher, commands: Callable[..., str], database_url: str
 ) -> None:
-    """Retry, park, cancel and ordered settles commit on the main pool, whose sessions wait
-    for the disk as the server's default says, or locally where it says ``off`` (a settle
-    lost in a crash would run its row again). The deferred settles of delivered rows still
-    opt out for their own transaction; the handlers' pool keeps the user's setting (a
-    transactional handler's effects and its settle are lost together or not at all)."""
+    """Retry, park, cancel and ordered settles commit on the pool, whose sessions wait for the
+    disk as the server's default says, or locally where it says ``off`` (a settle lost in a
+    crash would run its row again). The deferred settles of delivered rows still opt out for
+    their own transaction, and a transactional handler's transaction, on a connection of the
+    same pool, commits as the user's setting says (its effects and its settle are lost
+    together or not at all); the session's setting is back after either."""
     url = make_conninfo(database_url, options=f"-c synchronous_commit={server}")
-    store = Store(url, dispatcher.schema)
+    store = Store(url, dispatcher.schema, pool_size=1, handler_pool_size=0)  # one session
+    row_id = _enqueue(dispatcher, database_url, commands(family="quick"))
+    token = _claim_one(dispatcher, "quick")
     try:
         with store.connection() as conn:
             session = conn.execute("SHOW synchronous_commit").fetchone()
@@ -236,9 +239,13 @@ def test_settles_wait_for_the_disk_even_where_the_servers_default_flushes_nothin
                 conn.execute(store.q["settle_without_flush"])
                 deferred = conn.execute("SHOW synchronous_commit").fetchone()
             after = conn.execute("SHOW synchronous_commit").fetchone()
-        with store.pools.handlers().connection() as conn:
-            handlers = conn.execute("SHOW synchronous_commit").fetchone()
+        with store.handler_transaction(row_id, token) as held:
+            assert held is not None
+            handler = held[0].execute("SHOW synchronous_commit").fetchone()
+        with store.connection() as conn:
+            later = conn.execute("SHOW synchronous_commit").fetchone()
     finally:
         store.close()
     flushed = "local" if server == "off" else server
-    assert (session, deferred, after, handlers) == ((flushed,), ("off",), (flushed,), (server,))
+    assert (session, deferred, after) == ((flushed,), ("off",), (flushed,))
+    assert (handler, later) == ((server,), (flushed,))

@@ -204,7 +204,7 @@ def test_postgres_down_longer_than_the_pools_wait_leaves_a_row_to_run_again_flag
     redone with maybe_applied set, rows that never started cost no attempt."""
     d = make_dispatcher(pg_proxy.url(database_url), pool_size=2)
     # the pool's wait (30 s by default) and a start's patience (60 s), for a short test
-    d.store.pools.main().timeout = 1.0
+    d.store.pool.get().timeout = 1.0
     monkeypatch.setattr(health, "PATIENCE", 1.0)
     d.family(
         "pgdown", lease=1.0, heartbeat_timeout=2.0, max_attempts=3, backoff=Backoff(0.05, 0.1, 0.0)
@@ -266,14 +266,14 @@ def test_postgres_down_at_claim_fails_the_pass_clearly_and_claims_nothing(
     with psycopg.connect(database_url) as conn, conn.transaction():
         row_id = d.enqueue(conn, cmd, {})
     pg_proxy.cut()
-    d.store.pools.main().timeout = 1.0  # the pool's wait (30 s by default), for a short test
+    d.store.pool.get().timeout = 1.0  # the pool's wait (30 s by default), for a short test
     published: list[Claimed] = []
     failed = r"^claim (of family \w+|pass \(which families have due rows\)): "
     with pytest.raises(DatabaseUnavailable, match=failed + "the database is not answering"):
         d.claimer.run(lambda fam, rows, size: published.extend(rows))
     assert published == []
     pg_proxy.restore()
-    d.store.pools.main().timeout = 30.0  # it waits for the pool to reconnect
+    d.store.pool.get().timeout = 30.0  # it waits for the pool to reconnect
     assert count_rows(database_url, schema, "claim_token IS NULL AND attempts = 0") == 1
     assert d.drain(timeout=5).delivered == 1
     assert seen[-1] == row_id
@@ -505,26 +505,58 @@ def test_a_holder_cut_off_from_redis_stops_before_its_slot_can_go_to_another_row
 # -- no connection for a transactional handler --------------------------------------------------
 
 
+def test_a_transactional_delivery_needs_one_session_the_one_its_start_used(
+    make_dispatcher: Callable[..., Dispatcher], database_url: str, schema: str
+) -> None:
+    """A worker process that may hold one Postgres session (its pool's size, or its share of
+    the server's connections) claims, starts and runs transactional rows: the handler's
+    transaction takes the connection the start gave back."""
+    d = make_dispatcher(database_url, pool_size=1, handler_pool_size=0)
+    cmd = f"fault.{uuid.uuid4().hex[:6]}"
+    seen: list[int] = []
+
+    @d.handler(cmd, family="intent", transactional=True)
+    def write(ctx: Context, payload: Any) -> None:
+        assert ctx.conn is not None
+        seen.append(ctx.conn.execute("SELECT pg_backend_pid()").fetchone()[0])
+
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        for _ in range(3):
+            d.enqueue(conn, cmd, {})
+    assert d.drain(timeout=10).delivered == 3
+    assert d.store.pool.get().get_stats()["pool_max"] == 1 and len(set(seen)) == 1
+    assert count_rows(database_url, schema, "true") == 0
+
+
 def test_a_transactional_row_whose_worker_has_no_connection_for_it_goes_back_uncounted(
     monkeypatch: pytest.MonkeyPatch,
     make_dispatcher: Callable[..., Dispatcher],
     database_url: str,
     schema: str,
 ) -> None:
-    """A worker whose handlers' pool (or share of Postgres's connections) is used up: the
-    transactional handler never runs, and its row is due again at once for another worker,
+    """A worker whose pool (or share of Postgres's connections) is used up when its
+    transactional handler's transaction begins (another thread took the connection its start
+    gave back): the handler never runs, and its row is due again at once for another worker,
     its attempt not spent (it would otherwise wait the pool's 30 s and count as a failure)."""
-    d = make_dispatcher(database_url, handler_pool_size=1)
+    d = make_dispatcher(database_url, pool_size=1, handler_pool_size=0)  # one session
     monkeypatch.setattr(deliveries, "HANDLER_CONNECTION_WAIT", 0.5)
+    begin = d.store.handler_transaction
+
+    @contextlib.contextmanager
+    def taken_first(row_id: int, token: uuid.UUID) -> Iterator[Any]:
+        with d.store.connection(), begin(row_id, token) as held:  # the only one, taken
+            yield held
+
+    monkeypatch.setattr(d.store, "handler_transaction", taken_first)
     ran: list[int] = []
     cmd = f"fault.{uuid.uuid4().hex[:6]}"
     d.handler(cmd, family="intent", transactional=True)(lambda ctx, p: ran.append(ctx.row_id))
     with psycopg.connect(database_url) as conn, conn.transaction():
         row_id = d.enqueue(conn, cmd, {})
     [claimed] = d.claimer.claim_family(d.families["intent"]).claimed
-    with d.store.pools.handlers().connection():  # the pool's only connection, taken
-        result = d.delivery.deliver(claimed.id, claimed.token, family_hint="intent")
+    result = d.delivery.deliver(claimed.id, claimed.token, family_hint="intent")
     assert result.outcome is Outcome.STALE and ran == []
+    monkeypatch.undo()
     with psycopg.connect(database_url) as conn:
         row = conn.execute(
             f'SELECT attempts, claim_token, started_at, due_at <= now() FROM "{schema}".outbox'

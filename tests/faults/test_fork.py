@@ -38,7 +38,7 @@ def test_a_child_forked_while_a_thread_holds_the_pools_lock_still_connects(
     holding, release = threading.Event(), threading.Event()
 
     def listener_creating_its_pool() -> None:  # as a listener thread does, at the fork
-        with store.pools._lock, breaker._lock:
+        with store.pool._lock, breaker._lock:
             holding.set()
             release.wait(10)
 
@@ -76,8 +76,8 @@ def _child_starts_as_a_pool_process(
     signals.worker_process_init.send(sender=None)  # what Celery sends in a new pool process
     if metrics._instruments.cache_info().currsize == 1:
         metrics_made.set()
-    own = d.store.pools._pid == os.getpid()  # not the parent's pools, inherited
-    pool = d.store.pools._pools.get("outbox") if own else None  # opened by the signal
+    own = d.store.pool._pid == os.getpid()  # not the parent's pool, inherited
+    pool = d.store.pool._pool if own else None  # opened by the signal
     deadline = time.monotonic() + 5
     while pool is not None and time.monotonic() < deadline:
         if pool.get_stats().get("pool_available", 0) >= 1:
