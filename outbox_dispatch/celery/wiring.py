@@ -18,11 +18,11 @@ from kombu.entity import Queue
 
 from outbox_dispatch.celery.task_states import Report, TaskState, task_state
 from outbox_dispatch.core import timings
+from outbox_dispatch.worker.messages import GoesBack, Result
 
 if TYPE_CHECKING:
     from outbox_dispatch.claim.listener import CommitListener
     from outbox_dispatch.dispatcher import Dispatcher
-    from outbox_dispatch.worker.messages import Result
     from outbox_dispatch.worker.slots import CapSlots
 
 DELIVER_TASK = "outbox.deliver"  # every delivery message: one row, or a batch of them
@@ -82,7 +82,12 @@ def register_tasks(
     process dies (acks_late, reject_on_worker_lost): the rows after the one that was running
     then run at once, not after their lease (the row that was running is refused at its second
     start, and its lease decides). ``outbox.deliver_row`` stays registered so that one-row
-    messages already queued under that name run during a rolling deploy."""
+    messages already queued under that name run during a rolling deploy.
+
+    A first delivery whose rows could not start for want of a database connection (this
+    process's pool used up, or Postgres refusing it sessions) goes back to its queue as a
+    Celery retry (Flower shows RETRY), with the rows not started, for a process that has one:
+    it does not wait in this one, nor for its rows' lease."""
     common: dict[str, Any] = {
         "base": Task,  # Celery's own, also in an app whose task_cls is OutboxTask
         "shared": False,  # a shared task would be added to every other Celery app in the process
@@ -96,9 +101,14 @@ def register_tasks(
         info = getattr(self.request, "delivery_info", None) or {}
         # Celery reads False where the broker does not mark redeliveries (Redis and RabbitMQ do)
         first = info.get("redelivered", True) is False
-        return report(self, task_state(deliver(args, info.get("routing_key"), stop_at, first)))
+        try:
+            results = deliver(args, info.get("routing_key"), stop_at, first)
+        except GoesBack as back:
+            raise self.retry(args=back.message, countdown=0, exc=back.cause) from None
+        return report(self, task_state(results))
 
-    acks: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True}
+    # max_retries None: a message goes back (GoesBack) as often as it meets no connection
+    acks: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True, "max_retries": None}
     deliver_task = app.task(name=DELIVER_TASK, **acks, **common)(run)
     app.task(name=DELIVER_ROW_TASK, **acks, **common)(run)
 

@@ -78,6 +78,12 @@ class DatabaseUnavailable(DatabaseError):
         self.repeated = repeated
 
 
+class NoConnection(DatabaseUnavailable):
+    """No connection to the database in time: it is not answering, or it refuses this process
+    another session (``max_connections``, the role's connection limit: raise it, or run fewer
+    worker processes or a smaller ``pool_size``), or this process's pool is busy."""
+
+
 class UnknownDatabase(InvalidArgument):
     """A connection or name that is none of the dispatcher's databases: the row would never be
     claimed there. Pass the database to ``Dispatcher(databases=...)``, or use its connection."""

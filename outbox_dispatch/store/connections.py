@@ -16,6 +16,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from outbox_dispatch.core.errors import (
     DatabaseError,
     DatabaseUnavailable,
+    NoConnection,
     SchemaNotReady,
     StatementCancelled,
 )
@@ -73,6 +74,13 @@ def translated(action: str) -> Iterator[None]:
             f"{action}: cancelled by the server ({mask_dsn(str(exc.diag.message_primary))}): "
             "its statement_timeout or lock_timeout (or a pg_cancel_backend) ends the outbox's "
             "statements too; raise them for the outbox's role if this repeats"
+        ) from exc
+    except PoolTimeout as exc:
+        raise NoConnection(
+            f"{action}: no database connection in time ({exc}): the database is not "
+            "answering, or refuses more sessions (max_connections, the role's connection "
+            "limit: raise it, or run fewer worker processes or a smaller pool_size), or this "
+            "process's pool is busy"
         ) from exc
     except psycopg.OperationalError as exc:
         if not unreachable(exc):
@@ -190,13 +198,14 @@ class StoreBase:
         return pool.getconn(timeout)
 
     @contextmanager
-    def _starting(self) -> Iterator[Conn]:
+    def _starting(self, timeout: float | None = None) -> Iterator[Conn]:
         """A connection for anything but finishing work already running (a claim, a delivery
-        start, a claim request, status and maintenance reads). With a breaker (several
-        databases, health.py), it fails at once while this database is down, and a failure to
-        reach it opens the breaker; a pool that is merely busy is waited for, as without one."""
+        start, a claim request, status and maintenance reads), waiting at most ``timeout``
+        seconds for one (None: the pool's 30 s). With a breaker (several databases,
+        health.py), it fails at once while this database is down, and a failure to reach it
+        opens the breaker; a pool that is merely busy is waited for, as without one."""
         if self.breaker is None:
-            with self.connection() as conn:
+            with self.connection(timeout) as conn:
                 yield conn
             return
         admission = self.breaker.admit()

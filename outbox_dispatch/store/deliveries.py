@@ -14,11 +14,11 @@ from outbox_dispatch.store.connections import StoreBase, pipelined_transaction, 
 from outbox_dispatch.store.ordered import actor_lock
 from outbox_dispatch.store.pool import Conn
 
-# Seconds a transactional handler waits for a connection before its row goes back uncounted
-# for another worker (worker/delivery.py): a worker whose pool, or whose share of Postgres's
-# connections, is used up would otherwise hold a started row for the pool's 30 s and then
-# spend an attempt on it.
-HANDLER_CONNECTION_WAIT = 5.0
+# Seconds a delivery waits for a connection before its work goes to another worker
+# (worker/delivery.py): its start (the message goes back to its queue), or a transactional
+# handler's transaction (the row goes back uncounted). A worker whose pool, or whose share of
+# Postgres's connections, is used up would otherwise hold the row for the pool's 30 s.
+CONNECTION_WAIT = 2.0
 
 
 class DeliveryQueries(StoreBase):
@@ -60,7 +60,7 @@ class DeliveryQueries(StoreBase):
             "flushed": flushed,
             "first_delivery": first_delivery,
         }
-        with translated("delivery start"), self._starting() as conn:
+        with translated("delivery start"), self._starting(CONNECTION_WAIT) as conn:
             row = conn.execute(self.q["deliver_begin"], params).fetchone()
         assert row is not None  # a left join of one row: always one row
         settled = {int(i) for i in row[11:13] if i is not None}
@@ -208,7 +208,7 @@ class DeliveryQueries(StoreBase):
         together."""
         with (
             translated("transactional delivery"),
-            self.connection(HANDLER_CONNECTION_WAIT) as conn,
+            self.connection(CONNECTION_WAIT) as conn,
             conn.transaction(),
         ):
             conn.execute(self.q["deliver_commit_as_configured"])

@@ -162,17 +162,18 @@ def when_answering(
     what: str,
     patience: float | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    at_once: tuple[type[DatabaseUnavailable], ...] = (),
 ) -> T:
-    """``call()``, tried again while it fails with DatabaseUnavailable, for ``patience``
-    seconds (PATIENCE). Only for statements fenced by a claim token: running one again cannot
-    start or settle another claim's row."""
+    """``call()``, tried again while it fails with DatabaseUnavailable (but not ``at_once``),
+    for ``patience`` seconds (PATIENCE). Only for statements fenced by a claim token: running
+    one again cannot start or settle another claim's row."""
     deadline = outage.clock() + (PATIENCE if patience is None else patience)
     wait = RETRY_FIRST
     while True:
         try:
             return call()
         except DatabaseUnavailable as exc:
-            if exc.repeated or outage.clock() + wait > deadline:
+            if exc.repeated or isinstance(exc, at_once) or outage.clock() + wait > deadline:
                 raise
             outage.failed(what, str(exc))
             sleep(wait)

@@ -1,7 +1,7 @@
 """Runs one claimed row: check the claim, run the handler, settle fenced by the claim token,
 then give back the row's cap slot and let the actor's next waiting row in. The steps, in order:
-messages.py (what a message names), here (start, run), settling.py (settle), slots.py (the cap
-slot that a capped row holds throughout)."""
+messages.py (what a message names), here (start, run; transactional.py runs a transactional
+handler), settling.py (settle), slots.py (the cap slot that a capped row holds throughout)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from outbox_dispatch.caps.semaphore import Caps
 from outbox_dispatch.claim.runstats import RunTimes
 from outbox_dispatch.core.errors import (
     DatabaseError,
-    DatabaseUnavailable,
-    PermanentFailure,
+    NoConnection,
     StatementCancelled,
 )
 from outbox_dispatch.core.handlers import Context, HandlerFn, Registry
@@ -30,20 +29,23 @@ from outbox_dispatch.core.settle import (
     Outcome,
     Settle,
     SettleKind,
-    StopReason,
-    after_failure,
     after_return,
-    delivered,
-    stop_error,
 )
 from outbox_dispatch.observe import metrics, tracing
 from outbox_dispatch.store import Store
 from outbox_dispatch.store.health import when_answering
 from outbox_dispatch.worker.deferred_settles import DeferredSettles, carried
 from outbox_dispatch.worker.heartbeat import Heartbeats, Running
-from outbox_dispatch.worker.messages import Result, parse_batch, parse_message, row_fields
-from outbox_dispatch.worker.settling import Settler, after_exception, never_awaited, report
+from outbox_dispatch.worker.messages import (
+    GoesBack,
+    Result,
+    parse_batch,
+    parse_message,
+    row_fields,
+)
+from outbox_dispatch.worker.settling import Settler, after_exception, never_awaited
 from outbox_dispatch.worker.slots import LAPSED, CapSlots
+from outbox_dispatch.worker.transactional import run_in_transaction
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +63,6 @@ def _cancelled(exc: StatementCancelled, row_id: int, family: str | None) -> Resu
         family=family,
     )
     return Result(Outcome.STALE, row_id, str(exc))
-
-
-class _Cancelled(Exception):
-    """Unwinds a transactional handler's transaction when its row was cancelled."""
-
-
-class _Stopped(Exception):
-    """Unwinds a transactional handler's transaction when it returned after being told to
-    stop: its writes are rolled back and the row is retried."""
-
-    def __init__(self, reason: StopReason) -> None:
-        super().__init__(reason.value)
-        self.reason = reason
 
 
 class Delivery:
@@ -127,32 +116,53 @@ class Delivery:
         ``defer``: a worker hands eligible successes to the deferred settles. ``stop_at``:
         when Celery's soft time limit for the message fires (monotonic, ``wiring.soft_limit_at``);
         a handler still running then did not return on its own, whatever it does with it.
-        ``first_delivery``: no consumer had the message before (sql/deliver.sql)."""
+        ``first_delivery``: no consumer had the message before (sql/deliver.sql). Raises
+        GoesBack for the rows of a first delivery that could not start for want of a
+        connection."""
         pair = parse_message(args)
         pairs = parse_batch(args) if pair is None else None
-        if pair is not None:
-            one = partial(
-                self.deliver, *pair, family_hint=family_hint, defer=defer, stop_at=stop_at
+        back: GoesBack | None = None
+        try:
+            if pair is not None:
+                one = partial(
+                    self.deliver, *pair, family_hint=family_hint, defer=defer, stop_at=stop_at
+                )
+                try:
+                    results = [one(first_delivery=first_delivery)]
+                except StatementCancelled as exc:
+                    results = [_cancelled(exc, pair[0], family_hint)]
+                except NoConnection as exc:
+                    if not first_delivery:
+                        raise
+                    raise GoesBack([pair], exc) from exc
+            elif pairs is not None:
+                results = self.deliver_batch(
+                    pairs,
+                    family_hint=family_hint,
+                    defer=defer,
+                    stop_at=stop_at,
+                    first_delivery=first_delivery,
+                )
+            else:
+                shown = repr(args)[:200]
+                event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
+                results = [Result(Outcome.STALE, None, "garbage message")]
+        except GoesBack as exc:
+            back, results = exc, exc.done
+            self.store.outage.failed("delivery start", str(exc.cause))
+            event(
+                log,
+                logging.INFO,
+                "requeued",
+                f"{exc.cause}; {len(exc.pairs)} rows not started go back to the queue",
+                row_id=exc.pairs[0][0],
+                family=family_hint,
             )
-            try:
-                results = [one(first_delivery=first_delivery)]
-            except StatementCancelled as exc:
-                results = [_cancelled(exc, pair[0], family_hint)]
-        elif pairs is not None:
-            results = self.deliver_batch(
-                pairs,
-                family_hint=family_hint,
-                defer=defer,
-                stop_at=stop_at,
-                first_delivery=first_delivery,
-            )
-        else:
-            shown = repr(args)[:200]
-            event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
-            results = [Result(Outcome.STALE, None, "garbage message")]
         self.slots.flush()
         for r in results:
             metrics.outcome(family_hint, r.outcome.value, self.database)
+        if back is not None:
+            raise back
         return results
 
     def deliver_batch(
@@ -177,6 +187,7 @@ class Delivery:
         # a row past its own keeps its lease until then, so no second copy starts while it runs
         until = None if hard is None else time.monotonic() + hard * len(pairs)
         results: list[Result] = []
+        back: GoesBack | None = None
         one = partial(self.deliver, family_hint=family_hint, defer=defer, stop_at=stop_at)
         for row_id, token in pairs:
             try:
@@ -184,9 +195,13 @@ class Delivery:
             except StatementCancelled as exc:  # the database answers: the rows after it run
                 results.append(_cancelled(exc, row_id, family_hint))
             except DatabaseError as exc:
-                # the database stayed down (a start waits for it) or refuses our statements: the
-                # rows not started are claimed again after their lease; the finished are settled
+                # no connection for a start: the rows not started go back to the queue; the
+                # database stayed down (a start waits for it) or refuses our statements: they
+                # are claimed again after their lease. The finished are settled.
                 rest = pairs[len(results) :]
+                if first_delivery and isinstance(exc, NoConnection):
+                    back = GoesBack(rest, exc, results)
+                    break
                 results += [Result(Outcome.STALE, i, str(exc)) for i, _ in rest]
                 break
             except Exception as exc:
@@ -210,6 +225,8 @@ class Delivery:
             # again, flagged maybe_applied); one statement per message, not per row
             self.deferred.flush()
         self.slots.flush()
+        if back is not None:
+            raise back
         return results
 
     def deliver(
@@ -249,7 +266,9 @@ class Delivery:
         with tracing.delivery_span(started) as span:
             try:
                 if reg.transactional:
-                    result = self._run_in_transaction(started, family, reg.fn, running)
+                    result = run_in_transaction(
+                        self.store, self.settler, started, family, reg.fn, running, self.rand
+                    )
                 else:
                     result = self._run(started, family, reg.fn, running, defer=defer)
             finally:
@@ -274,9 +293,13 @@ class Delivery:
         lease, flushed = self._run_lease_for(family), self.store.starts_flushed(family)
         start = partial(self.store.start, row_id, token, lease, carried(pending), flushed=flushed)
         start = partial(start, first_delivery=first_delivery)
+        # a first delivery that gets no connection goes back to its queue (GoesBack) at once
+        at_once = (NoConnection,) if first_delivery else ()
         try:
             if self.store.breaker is None:
-                started, settled = when_answering(start, self.store.outage, "delivery start")
+                started, settled = when_answering(
+                    start, self.store.outage, "delivery start", at_once=at_once
+                )
             else:
                 started, settled = start()
         except BaseException:
@@ -380,63 +403,6 @@ class Delivery:
                 )
             return Result(Outcome.DELIVERED, started.id)
         return self.settler.finish(started, family, settle, elapsed)
-
-    def _run_in_transaction(
-        self, started: Started, family: Family, fn: HandlerFn, running: Running
-    ) -> Result:
-        """The handler's writes and the row's settle commit together, fenced by the claim
-        token, or not at all: exactly-once effects for work that stays in Postgres."""
-        t0 = time.perf_counter()
-        ctx = running.ctx
-        ran = False
-        try:
-            with self.store.handler_transaction(started.id, started.token) as held:
-                if held is None:  # the claim no longer holds
-                    lost = Result(Outcome.LOST, started.id, "the claim no longer holds")
-                    report(started, lost, delivered(family), 0.0)
-                    return lost
-                conn, cancel = held
-                if cancel:
-                    raise _Cancelled()
-                ctx.conn = conn
-                ran = True
-                returned = fn(ctx, started.payload)
-                if inspect.isawaitable(returned):  # rolled back, and parked as below
-                    raise PermanentFailure(never_awaited(returned))
-                reason = running.stop_reason()
-                if reason is StopReason.CANCEL_REQUESTED:
-                    raise _Cancelled()
-                if reason is not None:
-                    raise _Stopped(reason)  # roll the handler's writes back, then retry
-                settled = self.settler.settle(
-                    delivered(family), started, family, conn=conn, release=False, or_cancel=False
-                )
-                if not settled:
-                    raise _Cancelled()  # a cancel request arrived: undo the handler's writes
-        except _Cancelled:
-            return self.settler.finish(started, family, Settle(SettleKind.CANCEL))
-        except _Stopped as stop:  # rolled back: nothing was applied
-            error = stop_error(family, None, stop.reason)
-            return self.settler.finish(
-                started, family, after_failure(family, started.attempts, self.rand(), error)
-            )
-        except Exception as exc:
-            if not ran and isinstance(exc, DatabaseUnavailable):  # no connection for it
-                return self.settler.hand_back_unrun(started, family, exc)
-            return self.settler.finish(
-                started, family, after_exception(started, family, exc, running, self.rand)
-            )
-        finally:
-            ctx.conn = None
-        self.slots.release(started, family)
-        event(
-            log,
-            logging.INFO,
-            "delivered",
-            f"transactional handler committed in {(time.perf_counter() - t0) * 1000:.1f} ms",
-            **row_fields(started),
-        )
-        return Result(Outcome.DELIVERED, started.id)
 
 
 def _deadlines(family: Family) -> tuple[float | None, float | None]:

@@ -55,6 +55,34 @@ def parse_batch(args: tuple[Any, ...]) -> list[tuple[int, UUID]] | None:
     return pairs
 
 
+def message_args(pairs: list[tuple[int, UUID]]) -> tuple[Any, ...]:
+    """The args of a delivery message naming ``pairs`` (parse_message, parse_batch)."""
+    if len(pairs) == 1:
+        return (pairs[0][0], str(pairs[0][1]))
+    return ([[i, str(t)] for i, t in pairs],)
+
+
+class GoesBack(Exception):
+    """The rows of a message that did not start because this process got no database
+    connection in time: the message goes back to its queue with them, for a process that has
+    one. ``done``: the results of the message's rows before them; ``head``: the message's
+    args before its rows (the name of its database, where it names one)."""
+
+    def __init__(
+        self, pairs: list[tuple[int, UUID]], cause: Exception, done: list[Result] | None = None
+    ) -> None:
+        super().__init__(str(cause))
+        self.pairs = pairs
+        self.cause = cause
+        self.done = done or []
+        self.head: tuple[Any, ...] = ()
+
+    @property
+    def message(self) -> tuple[Any, ...]:
+        """The args of the message that goes back."""
+        return self.head + message_args(self.pairs)
+
+
 MAX_TRACEBACK = 8192  # characters of a failed attempt's traceback kept on its row
 
 

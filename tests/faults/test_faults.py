@@ -233,7 +233,7 @@ def test_postgres_down_longer_than_the_pools_wait_leaves_a_row_to_run_again_flag
     finally:
         pg_proxy.restore()
     assert isinstance(errors[0], DatabaseUnavailable)
-    assert str(errors[0]).startswith("settle (delete): the database is not answering")
+    assert str(errors[0]).startswith("settle (delete): no database connection in time")
     assert Outcome.DELIVERED not in outcomes  # nothing settled while Postgres was away
 
     deadline = time.monotonic() + 20
@@ -269,7 +269,7 @@ def test_postgres_down_at_claim_fails_the_pass_clearly_and_claims_nothing(
     d.store.pool.get().timeout = 1.0  # the pool's wait (30 s by default), for a short test
     published: list[Claimed] = []
     failed = r"^claim (of family \w+|pass \(which families have due rows\)): "
-    with pytest.raises(DatabaseUnavailable, match=failed + "the database is not answering"):
+    with pytest.raises(DatabaseUnavailable, match=failed + "no database connection in time"):
         d.claimer.run(lambda fam, rows, size: published.extend(rows))
     assert published == []
     pg_proxy.restore()
@@ -539,7 +539,7 @@ def test_a_transactional_row_whose_worker_has_no_connection_for_it_goes_back_unc
     gave back): the handler never runs, and its row is due again at once for another worker,
     its attempt not spent (it would otherwise wait the pool's 30 s and count as a failure)."""
     d = make_dispatcher(database_url, pool_size=1, handler_pool_size=0)  # one session
-    monkeypatch.setattr(deliveries, "HANDLER_CONNECTION_WAIT", 0.5)
+    monkeypatch.setattr(deliveries, "CONNECTION_WAIT", 0.5)
     begin = d.store.handler_transaction
 
     @contextlib.contextmanager

@@ -1,7 +1,9 @@
 """Rolling deploys cost no lease: a worker stopped warm hands back the rows it holds but has not
 started (and their cap slots) at once, and rows still running when its shutdown ends (Celery's
 soft shutdown timeout, then the cold shutdown) are marked lost at once, not left for their
-heartbeat timeout. The leases here are long (120 s), so a row left to its lease would show."""
+heartbeat timeout. A worker that joins when Postgres refuses it sessions sends the messages it
+takes back to the queue at once. The leases here are long (120 s), so a row left to its lease
+would show."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import psycopg
 import pytest
 import redis
 from celery import Celery
+from psycopg.conninfo import make_conninfo
 
 from outbox_dispatch import Dispatcher, Message
 from outbox_dispatch.store.migrations import migrate
@@ -67,11 +70,13 @@ def _worker(
     c: int,
     prefetch: int = 1,
     config: tuple[str, ...] = (),
+    queues: str | None = None,
 ) -> Popen[bytes]:
     args = [
         *(sys.executable, "-m", "celery", "-A", app, "worker"),
         *("-P", pool, "-c", str(c), "-n", f"{name}@%h", "--loglevel", "INFO"),
         *("--prefetch-multiplier", str(prefetch)),
+        *(("-Q", queues) if queues else ()),
     ]
     return spawn([*args, "--", *config] if config else args, env, name)
 
@@ -140,6 +145,44 @@ def test_sigterm_hands_claimed_unstarted_rows_to_another_worker_at_once(
     _wait(lambda: _live(env) == 0, 30, "every row settled")
     ends = _query(env, "SELECT row_id FROM S.runs WHERE kind = 'end'")
     assert sorted(r for (r,) in ends) == sorted([first, *held])
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_worker_postgres_refuses_sends_the_messages_it_takes_back_to_the_queue(
+    env: dict[str, str], spawn: Callable[..., Popen[bytes]], pool: str, tmp_path: Path
+) -> None:
+    """A worker that joins when Postgres refuses it sessions (max_connections reached, or, as
+    here, its role's connection limit) still takes delivery messages. Each goes back to the
+    queue once a start has waited CONNECTION_WAIT for a connection, not held for the pool's
+    30 s nor its rows left to their lease; a worker with a session then runs them at once,
+    first attempts. Until then no row starts anywhere."""
+    role = f"od_refused_{uuid.uuid4().hex[:8]}"
+    url = env["OUTBOX_TEST_DATABASE_URL"]
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 0')
+    try:
+        refused_env = {**env, "OUTBOX_TEST_DATABASE_URL": make_conninfo(url, user=role)}
+        # the claimer claims at commit (its listener) and delivers nothing
+        _worker(spawn, env, "claimer", pool="threads", c=1, queues="outbox.claim")
+        _worker(spawn, refused_env, "refused", pool=pool, c=2, queues="outbox.slow")
+        log = tmp_path / "refused.log"
+        _wait(lambda: "ready." in log.read_text(errors="replace"), 60, "the refused worker")
+        ids = _enqueue_one_at_a_time(env, [Message("slow.run", {"sleep": 0.1}) for _ in range(3)])
+        _wait(lambda: log.read_text(errors="replace").count("requeued") >= 3, 60, "requeues")
+        assert _starts(env) == {}
+        assert all(_query(env, CLAIMED, i) for i in ids)  # still claimed: not handed back
+
+        _worker(spawn, env, "staying", pool="threads", c=4, queues="outbox.slow")
+        _wait(
+            lambda: set(ids) <= set(_starts(env)), 60, "the rows started by a worker with a session"
+        )
+        starts = _starts(env)
+        assert {r: [s[:2] for s in starts[r]] for r in ids} == {r: [(1, False)] for r in ids}
+        text = log.read_text(errors="replace")
+        assert "ERROR" not in text and "too many connections for role" in text
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f'DROP ROLE IF EXISTS "{role}"')
 
 
 def _alive(pid: int) -> bool:
