@@ -19,6 +19,10 @@ from outbox_dispatch.store.pool import Conn
 # handler's transaction (the row goes back uncounted). A worker whose pool, or whose share of
 # Postgres's connections, is used up would otherwise hold the row for the pool's 30 s.
 CONNECTION_WAIT = 2.0
+# A start's wait while this process has not reached the database since its last failure (it
+# holds no session: Postgres refuses it one, or is down): its message goes back at once, not
+# after holding a consumer's slot, since other processes may have sessions.
+OUTAGE_CONNECTION_WAIT = 0.25
 
 
 class DeliveryQueries(StoreBase):
@@ -60,7 +64,8 @@ class DeliveryQueries(StoreBase):
             "flushed": flushed,
             "first_delivery": first_delivery,
         }
-        with translated("delivery start"), self._starting(CONNECTION_WAIT) as conn:
+        wait = OUTAGE_CONNECTION_WAIT if self.outage.on else CONNECTION_WAIT
+        with translated("delivery start"), self._starting(wait) as conn:
             row = conn.execute(self.q["deliver_begin"], params).fetchone()
         assert row is not None  # a left join of one row: always one row
         settled = {int(i) for i in row[11:13] if i is not None}

@@ -144,6 +144,11 @@ class Outage:
             "no row is lost",
         )
 
+    @property
+    def on(self) -> bool:
+        """Whether this process has failed to reach the database and not reached it since."""
+        return self.since is not None
+
     def answered(self) -> None:
         if self.since is None:
             return

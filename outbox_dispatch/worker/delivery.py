@@ -131,10 +131,6 @@ class Delivery:
                     results = [one(first_delivery=first_delivery)]
                 except StatementCancelled as exc:
                     results = [_cancelled(exc, pair[0], family_hint)]
-                except NoConnection as exc:
-                    if not first_delivery:
-                        raise
-                    raise GoesBack([pair], exc) from exc
             elif pairs is not None:
                 results = self.deliver_batch(
                     pairs,
@@ -194,14 +190,13 @@ class Delivery:
                 results.append(one(row_id, token, renew_until=until, first_delivery=first_delivery))
             except StatementCancelled as exc:  # the database answers: the rows after it run
                 results.append(_cancelled(exc, row_id, family_hint))
+            except GoesBack as exc:  # no connection for its start: it and the rest go back
+                back = GoesBack(pairs[len(results) :], exc.cause, results)
+                break
             except DatabaseError as exc:
-                # no connection for a start: the rows not started go back to the queue; the
-                # database stayed down (a start waits for it) or refuses our statements: they
-                # are claimed again after their lease. The finished are settled.
+                # the database stayed down (a start waits for it) or refuses our statements: the
+                # rows not started are claimed again after their lease; the finished are settled
                 rest = pairs[len(results) :]
-                if first_delivery and isinstance(exc, NoConnection):
-                    back = GoesBack(rest, exc, results)
-                    break
                 results += [Result(Outcome.STALE, i, str(exc)) for i, _ in rest]
                 break
             except Exception as exc:
@@ -247,7 +242,12 @@ class Delivery:
             why = "not started: the message's time limit had passed"
             event(log, logging.INFO, "stale_dropped", why, row_id=row_id, family=family_hint)
             return Result(Outcome.STALE, row_id, why)
-        started = self._start(row_id, token, family_hint, first_delivery)
+        try:
+            started = self._start(row_id, token, family_hint, first_delivery)
+        except NoConnection as exc:
+            if not first_delivery:  # its rows may have started under another consumer
+                raise
+            raise GoesBack([(row_id, token)], exc) from exc  # its handler never ran here
         family = None if started is None else self.families.get(started.family)
         held = None if started is None or family is None else self._check_slot(started, family)
         if started is None:

@@ -90,7 +90,8 @@ class Fleet:
 
     def command(self, m: Member) -> list[str]:
         base = [sys.executable, "-m", "celery", "-A", APP, "worker", "-n", f"{m.name}@%h"]
-        base += ["--loglevel", "WARNING", "--without-gossip", "--without-mingle"]
+        level = os.environ.get("CHAOS_LOGLEVEL", "WARNING")  # INFO: every row's lines
+        base += ["--loglevel", level, "--without-gossip", "--without-mingle"]
         if m.role == "claimer":
             # a fresh schedule file per start: a killed beat may leave a corrupt one behind
             beat = self.logdir / "beat"

@@ -102,14 +102,6 @@ def test_pg_backend_kill(services: Services, tmp_path: Path) -> None:
     assert_clean(r)
 
 
-@pytest.mark.xfail(
-    run=False,  # it fails, after the full settle wait: `scripts/chaos --matrix` shows the cell
-    reason="open defect: the joined workers' main pools take the sessions the role may open, so"
-    " no worker (the ones that were there before included) can open a connection of its"
-    " handlers' pool: transactional rows go back uncounted every 5 s (they no longer spend an"
-    " attempt) but cannot run until sessions free; the other families run. A transactional"
-    " handler that could borrow its worker's main-pool connection would not need one more",
-)
 def test_pool_exhaustion(services: Services, tmp_path: Path) -> None:
     r = cell(services, "pool_exhaustion", tmp_path)
     refused = ("remaining connection slots are reserved", "too many clients already")
