@@ -80,9 +80,9 @@ def _pooled_session(conn: Conn) -> None:
     """The pool's sessions: as every session of ours (``_session``), and commits that wait for
     the disk, locally where the default is ``synchronous_commit=off``: a retry, park, cancel or
     ordered settle lost in a crash of Postgres would run its row again. The writes that need
-    not wait say so per transaction (settle_without_flush, the claim or the start, whichever
-    does not flush: docs/guarantees.md, and a transactional handler's, which commits as the
-    user's settings say)."""
+    not wait say so per transaction: settle_without_flush, and the claim or the start,
+    whichever does not flush (docs/guarantees.md); a transactional handler's transaction
+    commits as the user's settings say (deliver_commit_as_configured)."""
     q = raw_queries()
     _session(conn)
     conn.execute(q["session_commits_flush"])
