@@ -1,6 +1,6 @@
 """The databases one Dispatcher serves. An outbox row commits with the business change, so it
 lives in the database that holds that change; a shop with several databases (shards, regions,
-Django aliases) has an outbox in each. Each database gets its own pools, claimer, commit
+Django aliases) has an outbox in each. Each database gets its own pool, claimer, commit
 listener, delivery and maintenance; families, handlers, queues and the Redis caps are shared.
 
 A delivery message names its database only when it is not the first one, so the messages already

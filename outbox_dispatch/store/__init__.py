@@ -1,4 +1,4 @@
-"""Postgres: pools, queries by concern, migrations, roles, the caller's connection, maintenance."""
+"""Postgres: the pool, queries by concern, migrations, roles, the caller's connection, upkeep."""
 
 from outbox_dispatch.store.claims import ClaimQueries
 from outbox_dispatch.store.deliveries import DeliveryQueries
@@ -20,5 +20,5 @@ class Store(
     UpkeepQueries,
     RunStatsQueries,
 ):
-    """Named queries for one schema, over fork-safe pools (pool.py): one mixin per concern,
+    """Named queries for one schema, over a fork-safe pool (pool.py): one mixin per concern,
     on the connections of their base (connections.py)."""

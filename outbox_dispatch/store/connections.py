@@ -1,4 +1,4 @@
-"""The base of the store: its pools, its connections (the one that starts work behind the
+"""The base of the store: its pool, its connections (the one that starts work behind the
 breaker), and the transaction and error helpers every concern's queries use. Driver errors
 are translated here, once, into the outbox error tree."""
 
@@ -112,7 +112,7 @@ def unreachable(exc: BaseException) -> bool:
 
 def hung_up(conn: Conn) -> bool:
     """Whether the server ended this idle pooled connection (a restart, pg_terminate_backend):
-    its socket then holds the server's goodbye, or its end. Our pools' sessions listen to
+    its socket then holds the server's goodbye, or its end. Our pool's sessions listen to
     nothing, so an idle one has nothing else to read. A poll, not a round trip."""
     if conn.closed or conn.broken:
         return True
@@ -129,7 +129,7 @@ def wake_channel(schema: str) -> str:
 
 
 class StoreBase:
-    """The store's pools and connections for one schema (pool.py); each concern's queries are a
+    """The store's pool and connections for one schema (pool.py); each concern's queries are a
     mixin of it, and ``Store`` is them all."""
 
     def __init__(

@@ -58,7 +58,7 @@ def _mask_pool_logs() -> None:
 
 
 def _session(conn: Conn) -> None:
-    """Every session of our pools, whatever the server's, role's, URL's or pooler's defaults
+    """Every session of our pool, whatever the server's, role's, URL's or pooler's defaults
     (sql/session.sql's session_defaults):
 
     - READ COMMITTED, for transaction blocks and for lone statements alike: a claim counts
