@@ -288,7 +288,7 @@ def test_ordered_family_keeps_enqueue_order_per_actor(
 ) -> None:
     rng = random.Random(7)
     msgs = []
-    for n in range(50):
+    for n in range(25):
         for a in range(20):
             delay = timedelta(milliseconds=rng.choice([0, 0, 0, 50, 300]))
             fail = rng.random() < 0.1

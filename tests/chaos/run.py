@@ -369,7 +369,8 @@ class Chaos:
                     log = self.logdir / f"{dead[0].name}.log"
                     raise RuntimeError(f"{dead[0].name} exited while starting: see {log}")
                 try:
-                    replies = app.control.ping(timeout=1.0) or []
+                    # returns once every member answered, else after the timeout
+                    replies = app.control.ping(timeout=1.0, limit=len(want)) or []
                 except (redis.RedisError, KombuError, OSError):
                     # a broker connection from before a Redis restart (a matrix cell's)
                     replies = []

@@ -1,4 +1,4 @@
-"""The chaos suite, small: 1,300 rows over 40 s through 3 workers (threads, prefork, threads)
+"""The chaos suite, small: 1,000 rows over 30 s through 3 workers (threads, prefork, threads)
 and 2 claimers while they are killed -9 every few seconds (one claimer or both), broker
 connections are cut, Redis is flushed and restarts with its data lost, and Postgres is killed
 -9 and stopped by a fast shutdown; then no row may be lost, doubled where it must not be, or
@@ -30,11 +30,11 @@ from tests.fixtures.processes import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ARGS = ["--rows", "1300", "--duration", "40", "--workers", "3", "--lease", "5"]
+ARGS = ["--rows", "1000", "--duration", "30", "--workers", "3", "--lease", "5"]
 # started attempts of killed workers are noticed after 3 s, queued messages after 5 s: on this
 # 2-core machine, a family at max_in_flight 2 behind two such rows needs the difference
 ARGS += ["--heartbeat-timeout", "3"]
-ARGS += ["--fault-interval", "3", "--seed", "7", "--pools", "threads,prefork"]
+ARGS += ["--fault-interval", "2.5", "--seed", "7", "--pools", "threads,prefork"]
 
 
 def _chaos(logdir: Path) -> tuple[dict[str, Any], float]:

@@ -348,7 +348,7 @@ def test_a_busy_pool_is_not_a_down_database(
 ) -> None:
     """Every connection of the pool in use for longer than new work's 3 s: the next call
     waits for one, as it always did, and the database is not taken for down."""
-    d = make_dispatcher(pool_size=1)
+    d = make_dispatcher(pool_size=1, handler_pool_size=0)  # a pool of one connection
     store = d.database("eu").store
     store.status()  # the pool has its connection
     held = threading.Event()

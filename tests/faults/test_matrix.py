@@ -24,10 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SMALL = MatrixConfig(
     rate=15.0,
-    load=5.0,
-    fault_at=2.0,
-    fault_for=3.0,
-    idle_for=2.5,
+    load=4.0,
+    fault_at=1.5,
+    fault_for=2.5,
+    idle_for=2.0,
     kill_every=1.0,
     readers=3,
     clock_step=60.0,

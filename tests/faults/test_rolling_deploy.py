@@ -147,15 +147,15 @@ def test_sigterm_hands_claimed_unstarted_rows_to_another_worker_at_once(
     assert sorted(r for (r,) in ends) == sorted([first, *held])
 
 
-@pytest.mark.parametrize("pool", POOLS)
 def test_a_worker_postgres_refuses_sends_the_messages_it_takes_back_to_the_queue(
-    env: dict[str, str], spawn: Callable[..., Popen[bytes]], pool: str, tmp_path: Path
+    env: dict[str, str], spawn: Callable[..., Popen[bytes]], tmp_path: Path
 ) -> None:
     """A worker that joins when Postgres refuses it sessions (max_connections reached, or, as
     here, its role's connection limit) still takes delivery messages. Each goes back to the
     queue once a start has waited CONNECTION_WAIT for a connection, not held for the pool's
     30 s nor its rows left to their lease; a worker with a session then runs them at once,
-    first attempts. Until then no row starts anywhere."""
+    first attempts. Until then no row starts anywhere. (Prefork: a message goes back from the
+    pool process that took it, by the task's own code, as from a threads pool's thread.)"""
     role = f"od_refused_{uuid.uuid4().hex[:8]}"
     url = env["OUTBOX_TEST_DATABASE_URL"]
     with psycopg.connect(url, autocommit=True) as conn:
@@ -164,7 +164,7 @@ def test_a_worker_postgres_refuses_sends_the_messages_it_takes_back_to_the_queue
         refused_env = {**env, "OUTBOX_TEST_DATABASE_URL": make_conninfo(url, user=role)}
         # the claimer claims at commit (its listener) and delivers nothing
         _worker(spawn, env, "claimer", pool="threads", c=1, queues="outbox.claim")
-        _worker(spawn, refused_env, "refused", pool=pool, c=2, queues="outbox.slow")
+        _worker(spawn, refused_env, "refused", pool="prefork", c=2, queues="outbox.slow")
         log = tmp_path / "refused.log"
         _wait(lambda: "ready." in log.read_text(errors="replace"), 60, "the refused worker")
         ids = _enqueue_one_at_a_time(env, [Message("slow.run", {"sleep": 0.1}) for _ in range(3)])
@@ -241,14 +241,15 @@ def _caps_runs(env: dict[str, str]) -> list[dict[str, Any]]:
         ).fetchall()
 
 
-@pytest.mark.parametrize("pool", POOLS)
 def test_sigterm_gives_back_the_cap_slots_of_rows_it_had_not_started(
-    caps_env: dict[str, str], spawn: Callable[..., Popen[bytes]], pool: str
+    caps_env: dict[str, str], spawn: Callable[..., Popen[bytes]]
 ) -> None:
     """Actor x may run two rows at once. The leaving worker runs one and holds the other (its
     slot taken at the claim), a third waits for a slot. After SIGTERM the held row's slot goes
     back with it: the staying worker runs x's rows within seconds, while the leaving worker's
-    own row still runs, and x never has more than two running."""
+    own row still runs, and x never has more than two running. (Prefork: the hand back runs
+    in the worker's main process, whichever its pool; the SIGTERM test above runs both.)"""
+    pool = "prefork"
     env = caps_env
     app = "tests.apps.caps_app"
     leaving = _worker(spawn, env, "leaving", app=app, pool=pool, c=1, prefetch=2)
