@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -58,12 +59,20 @@ class Leaving:
         self._held: dict[str, Any] = {}
         self._consumer: Any = None  # Celery's Consumer, which received them
         self._prune_at = 64
-        self._thread: threading.Thread | None = None
+        self._leaving = False  # a warm shutdown began
+        self._threads: list[threading.Thread] = []
 
     def received(self, request: Any, consumer: Any) -> None:
         """A delivery message was received (Celery's ``task_received``). Acknowledged messages
-        are dropped as more come in, so this holds about what the worker has reserved."""
+        are dropped as more come in, so this holds about what the worker has reserved. One
+        that arrives after a warm shutdown began (the broker had sent it already) goes back at
+        once."""
         self._consumer = consumer
+        if self._leaving:
+            name, pairs = message_rows(getattr(request, "args", None))
+            if pairs:
+                self._start({name: pairs}, cold=False)
+            return
         self._held[request.id] = request
         if len(self._held) >= self._prune_at:
             self._held = {k: r for k, r in self._held.items() if not r.acknowledged}
@@ -82,18 +91,24 @@ class Leaving:
         """A shutdown began (warm), or a cold one cancelled the tasks still running: hand the
         rows back from a thread (this runs in Celery's signal handler). A cold shutdown waits
         for it, since the process exits right after."""
+        if not cold:  # a cold shutdown stopped taking messages before it cancelled the tasks
+            self._leaving = True
         rows = self.unfinished()
         if not rows:
             return
-        if not cold:  # a cold shutdown stopped taking messages before it cancelled the tasks
+        if not cold:
             self._stop_consuming()
+        thread = self._start(rows, cold=cold)
+        if cold:
+            thread.join(HAND_BACK_WAIT)
+
+    def _start(self, rows: dict[str | None, Pairs], *, cold: bool) -> threading.Thread:
         thread = threading.Thread(
             target=self._hand_back, args=(rows, cold), name="outbox-leaving", daemon=True
         )
-        self._thread = thread
+        self._threads.append(thread)
         thread.start()
-        if cold:
-            thread.join(HAND_BACK_WAIT)
+        return thread
 
     def _stop_consuming(self) -> None:
         """The rows handed back are claimed again at once, and this worker must not take their
@@ -108,9 +123,10 @@ class Leaving:
             event(log, logging.INFO, "consumer_cancel_failed", repr(exc))
 
     def stopped(self) -> None:
-        """The worker has shut down: its hand back must land before the process exits."""
-        if self._thread is not None:
-            self._thread.join(HAND_BACK_WAIT)
+        """The worker has shut down: its hand backs must land before the process exits."""
+        deadline = time.monotonic() + HAND_BACK_WAIT
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _hand_back(self, rows: dict[str | None, Pairs], lost: bool) -> None:
         for database, pairs in rows.items():

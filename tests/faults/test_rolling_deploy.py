@@ -27,7 +27,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_dispatch import Dispatcher, Message
 from outbox_dispatch.store.migrations import migrate
-from outbox_dispatch.worker.leaving import hand_back, message_rows
+from outbox_dispatch.worker.leaving import Leaving, hand_back, message_rows
 from tests.apps.caps_families import declare_families
 from tests.faults.test_lifecycle_processes import _enqueue, _query, _wait
 
@@ -358,6 +358,38 @@ def _row(conn: psycopg.Connection[Any], schema: str, row_id: int) -> tuple[Any, 
     ).fetchone()
     assert found is not None
     return tuple(found)
+
+
+class _Request:
+    """What Leaving reads of Celery's Request: its id, args and whether it was acked."""
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.id = str(uuid.uuid4())
+        self.args = args
+        self.acknowledged = False
+
+
+@pytest.mark.usefixtures("clean")
+def test_a_message_received_after_a_warm_shutdown_began_goes_back_at_once(
+    dispatcher: Dispatcher, commands: Callable[..., str], schema: str, database_url: str
+) -> None:
+    """The broker may have sent a message before the consumer stopped: it reaches the worker
+    after the warm shutdown began, and its rows go back then, not when the worker exits."""
+    cmd = commands(family="bulk")
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        ids = dispatcher.enqueue_many(conn, [Message(cmd, {"n": i}) for i in range(2)])
+    first, second = dispatcher.claimer.claim_family(dispatcher.families["bulk"]).claimed
+    dispatcher.delivery.on_slot_freed = lambda family, database: None  # no claim task
+    leaving = Leaving(lambda database: dispatcher.delivery.slots)
+    leaving.received(_Request((first.id, str(first.token))), consumer=None)
+    leaving.stopping(cold=False)  # hands back the first
+    leaving.received(_Request((second.id, str(second.token))), consumer=None)
+    leaving.stopped()  # waits for both hand backs
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(
+            f'SELECT id, due_at <= now() FROM "{schema}".outbox ORDER BY id'
+        ).fetchall()
+    assert rows == [(ids[0], True), (ids[1], True)]  # both due again, under their claims
 
 
 @pytest.mark.usefixtures("clean")
