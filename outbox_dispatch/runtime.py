@@ -30,7 +30,7 @@ from outbox_dispatch.store import Store
 from outbox_dispatch.store.health import Breaker
 from outbox_dispatch.store.maintenance import Maintenance
 from outbox_dispatch.worker.delivery import Delivery
-from outbox_dispatch.worker.messages import GoesBack, Result
+from outbox_dispatch.worker.messages import Result
 
 if TYPE_CHECKING:
     from outbox_dispatch.dispatcher import Dispatcher
@@ -258,9 +258,6 @@ class Runtime:
                     stop_at=stop_at,
                     first_delivery=first_delivery,
                 )
-            except GoesBack as back:
-                back.head = () if name is None else (name,)
-                raise
             except DatabaseUnavailable as exc:
                 # acked without a start: its rows are claimed again after their lease, once the
                 # database is back, and this pool process moves on to other databases' rows

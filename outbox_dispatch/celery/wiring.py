@@ -18,6 +18,7 @@ from kombu.entity import Queue
 
 from outbox_dispatch.celery.task_states import Report, TaskState, task_state
 from outbox_dispatch.core import timings
+from outbox_dispatch.worker.leaving import Leaving, message_rows
 from outbox_dispatch.worker.messages import GoesBack, Result
 
 if TYPE_CHECKING:
@@ -104,7 +105,8 @@ def register_tasks(
         try:
             results = deliver(args, info.get("routing_key"), stop_at, first)
         except GoesBack as back:
-            raise self.retry(args=back.message, countdown=0, exc=back.cause) from None
+            database, _ = message_rows(args)
+            raise self.retry(args=back.message(database), countdown=0, exc=back.cause) from None
         return report(self, task_state(results))
 
     # max_retries None: a message goes back (GoesBack) as often as it meets no connection
@@ -130,8 +132,6 @@ def hand_back_when_stopping(app: Celery) -> None:
     cut off when a cold one ends (the soft shutdown's timeout, SIGQUIT). Celery's signals, in
     the worker's main process."""
     from celery import signals
-
-    from outbox_dispatch.worker.leaving import Leaving
 
     def slots_of(database: str | None) -> CapSlots | None:
         dispatcher: Dispatcher | None = getattr(app, "outbox_dispatcher", None)

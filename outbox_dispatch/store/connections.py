@@ -202,8 +202,9 @@ class StoreBase:
         """A connection for anything but finishing work already running (a claim, a delivery
         start, a claim request, status and maintenance reads), waiting at most ``timeout``
         seconds for one (None: the pool's 30 s). With a breaker (several databases,
-        health.py), it fails at once while this database is down, and a failure to reach it
-        opens the breaker; a pool that is merely busy is waited for, as without one."""
+        health.py), the breaker sets the wait instead: it fails at once while this database
+        is down, and a failure to reach it opens the breaker; a pool that is merely busy is
+        waited for, as without one."""
         if self.breaker is None:
             with self.connection(timeout) as conn:
                 yield conn

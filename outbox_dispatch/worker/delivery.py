@@ -119,47 +119,58 @@ class Delivery:
         ``first_delivery``: no consumer had the message before (sql/deliver.sql). Raises
         GoesBack for the rows of a first delivery that could not start for want of a
         connection."""
-        pair = parse_message(args)
-        pairs = parse_batch(args) if pair is None else None
-        back: GoesBack | None = None
         try:
-            if pair is not None:
-                one = partial(
-                    self.deliver, *pair, family_hint=family_hint, defer=defer, stop_at=stop_at
-                )
-                try:
-                    results = [one(first_delivery=first_delivery)]
-                except StatementCancelled as exc:
-                    results = [_cancelled(exc, pair[0], family_hint)]
-            elif pairs is not None:
-                results = self.deliver_batch(
-                    pairs,
-                    family_hint=family_hint,
-                    defer=defer,
-                    stop_at=stop_at,
-                    first_delivery=first_delivery,
-                )
-            else:
-                shown = repr(args)[:200]
-                event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
-                results = [Result(Outcome.STALE, None, "garbage message")]
-        except GoesBack as exc:
-            back, results = exc, exc.done
-            self.store.outage.failed("delivery start", str(exc.cause))
+            results = self._deliver_args(args, family_hint, defer, stop_at, first_delivery)
+        except GoesBack as back:
+            self._counted(back.done, family_hint)
+            self.store.outage.failed("delivery start", str(back.cause))
             event(
                 log,
                 logging.INFO,
                 "requeued",
-                f"{exc.cause}; {len(exc.pairs)} rows not started go back to the queue",
-                row_id=exc.pairs[0][0],
+                f"{back.cause}; {len(back.pairs)} rows not started go back to the queue",
+                row_id=back.pairs[0][0],
                 family=family_hint,
             )
+            raise
+        self._counted(results, family_hint)
+        return results
+
+    def _deliver_args(
+        self,
+        args: tuple[Any, ...],
+        family_hint: str | None,
+        defer: bool,
+        stop_at: float | None,
+        first_delivery: bool,
+    ) -> list[Result]:
+        pair = parse_message(args)
+        if pair is not None:
+            one = partial(
+                self.deliver, *pair, family_hint=family_hint, defer=defer, stop_at=stop_at
+            )
+            try:
+                return [one(first_delivery=first_delivery)]
+            except StatementCancelled as exc:
+                return [_cancelled(exc, pair[0], family_hint)]
+        pairs = parse_batch(args)
+        if pairs is not None:
+            return self.deliver_batch(
+                pairs,
+                family_hint=family_hint,
+                defer=defer,
+                stop_at=stop_at,
+                first_delivery=first_delivery,
+            )
+        shown = repr(args)[:200]
+        event(log, logging.WARNING, "stale_dropped", f"garbage delivery message {shown}")
+        return [Result(Outcome.STALE, None, "garbage message")]
+
+    def _counted(self, results: list[Result], family_hint: str | None) -> None:
+        """A message's end: the cap slots' releases sent, its rows' outcomes counted."""
         self.slots.flush()
         for r in results:
             metrics.outcome(family_hint, r.outcome.value, self.database)
-        if back is not None:
-            raise back
-        return results
 
     def deliver_batch(
         self,

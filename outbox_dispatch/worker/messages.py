@@ -65,8 +65,7 @@ def message_args(pairs: list[tuple[int, UUID]]) -> tuple[Any, ...]:
 class GoesBack(Exception):
     """The rows of a message that did not start because this process got no database
     connection in time: the message goes back to its queue with them, for a process that has
-    one. ``done``: the results of the message's rows before them; ``head``: the message's
-    args before its rows (the name of its database, where it names one)."""
+    one. ``done``: the results of the message's rows before them."""
 
     def __init__(
         self, pairs: list[tuple[int, UUID]], cause: Exception, done: list[Result] | None = None
@@ -75,12 +74,11 @@ class GoesBack(Exception):
         self.pairs = pairs
         self.cause = cause
         self.done = done or []
-        self.head: tuple[Any, ...] = ()
 
-    @property
-    def message(self) -> tuple[Any, ...]:
-        """The args of the message that goes back."""
-        return self.head + message_args(self.pairs)
+    def message(self, database: str | None) -> tuple[Any, ...]:
+        """The args of the message that goes back, naming ``database`` (None: the first)."""
+        head = () if database is None else (database,)
+        return head + message_args(self.pairs)
 
 
 MAX_TRACEBACK = 8192  # characters of a failed attempt's traceback kept on its row
