@@ -77,6 +77,7 @@ RETURNING o.id, EXISTS (SELECT 1 FROM __SCHEMA__.outbox_cancel c WHERE c.row_id 
 -- A transactional handler's transaction commits as the server's, role's or URL's
 -- synchronous_commit says, not as the pool's sessions do (session_commits_flush): its effects
 -- and its row's settle are kept or lost together, so a lost commit runs the row again, whole.
+-- Sent only where session_commits_flush changed the session's setting.
 SET LOCAL synchronous_commit TO DEFAULT;
 
 -- name: deliver_check_claim

@@ -6,7 +6,8 @@
 -- name: session_commits_flush
 -- A pooled session's commits wait for the disk: locally where the server's (or the role's,
 -- or the URL's) default flushes nothing, else as that default says (a synchronous standby is
--- waited for too). Run once per new connection (store/pool.py).
+-- waited for too). Run once per new connection (store/pool.py); a row back: it changed the
+-- session's setting.
 SELECT set_config('synchronous_commit', 'local', false)
 WHERE current_setting('synchronous_commit') = 'off';
 

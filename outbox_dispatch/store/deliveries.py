@@ -216,7 +216,8 @@ class DeliveryQueries(StoreBase):
             self.connection(CONNECTION_WAIT) as conn,
             conn.transaction(),
         ):
-            conn.execute(self.q["deliver_commit_as_configured"])
+            if self.pool.flush_forced:  # else the session commits as the user's settings say
+                conn.execute(self.q["deliver_commit_as_configured"])
             row = conn.execute(
                 self.q["deliver_check_claim"], {"id": row_id, "token": token}
             ).fetchone()

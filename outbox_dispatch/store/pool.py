@@ -76,18 +76,6 @@ def _session(conn: Conn) -> None:
     conn.execute(q["session_defaults"])
 
 
-def _pooled_session(conn: Conn) -> None:
-    """The pool's sessions: as every session of ours (``_session``), and commits that wait for
-    the disk, locally where the default is ``synchronous_commit=off``: a retry, park, cancel or
-    ordered settle lost in a crash of Postgres would run its row again. The writes that need
-    not wait say so per transaction: settle_without_flush, and the claim or the start,
-    whichever does not flush (docs/guarantees.md); a transactional handler's transaction
-    commits as the user's settings say (deliver_commit_as_configured)."""
-    q = raw_queries()
-    _session(conn)
-    conn.execute(q["session_commits_flush"])
-
-
 class ProcessPool:
     """The pool of the current process (the parent's is dropped, unclosed, after a fork)."""
 
@@ -107,6 +95,23 @@ class ProcessPool:
         self._pool: ConnectionPool | None = None
         self._pid = 0
         self._lock = ForkSafeLock()
+        # the sessions' synchronous_commit differs from the default of the URL, role and
+        # server (their default flushes nothing): a transactional handler's transaction sets
+        # that default back for itself (store/deliveries.py)
+        self.flush_forced = False
+
+    def _configure(self, conn: Conn) -> None:
+        """The pool's sessions: as every session of ours (``_session``), and commits that wait
+        for the disk, locally where the default is ``synchronous_commit=off``: a retry, park,
+        cancel or ordered settle lost in a crash of Postgres would run its row again. The
+        writes that need not wait say so per transaction: settle_without_flush, and the claim
+        or the start, whichever does not flush (docs/guarantees.md); a transactional handler's
+        transaction commits as the user's settings say (``flush_forced``). Every session of
+        the pool has the same URL, role and server, so the same default."""
+        q = raw_queries()
+        _session(conn)
+        if conn.execute(q["session_commits_flush"]).fetchone() is not None:
+            self.flush_forced = True
 
     def get(self) -> ConnectionPool:
         pool = self._pool if self._pid == os.getpid() else None
@@ -123,7 +128,7 @@ class ProcessPool:
                     min_size=1,
                     max_size=self.max_size,
                     kwargs={"autocommit": True, **self.options},
-                    configure=_pooled_session,
+                    configure=self._configure,
                     open=True,
                     name=f"outbox-{self.schema}",
                 )
